@@ -1,0 +1,159 @@
+"""Reading a target directory without building the model: identity, tokenizer hash, frozen tensors.
+
+Training needs only the target's embedding table and lm_head; reading them tensor by tensor with
+safetensors avoids materialising a 8-70B model in a training process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from dflash.errors import TargetError
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+)
+
+EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+HEAD_KEYS = ("lm_head.weight",)
+
+
+def _target_dir(target_dir: str | Path) -> Path:
+    p = Path(target_dir)
+    if not p.is_dir():
+        raise TargetError(
+            f"target directory {p} does not exist; pass a local directory holding a transformers "
+            "checkpoint (config.json, *.safetensors, tokenizer files) with --target."
+        )
+    if not (p / "config.json").is_file():
+        raise TargetError(f"target directory {p} has no config.json; it is not a transformers checkpoint.")
+    return p
+
+
+def _read_config_json(target_dir: Path) -> dict:
+    try:
+        return json.loads((target_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TargetError(f"{target_dir / 'config.json'} cannot be read ({e}); fix or replace the file.") from None
+
+
+def _text_config(cfg: dict) -> dict:
+    # Multimodal wrappers keep the language model's shape under text_config.
+    return cfg.get("text_config") or cfg
+
+
+def target_config(target_dir: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    p = _target_dir(target_dir)
+    try:
+        return AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise TargetError(f"cannot load the config of target {p}: {e}") from None
+
+
+def target_identity(target_dir: str | Path) -> dict:
+    """What a store records about its target, and what training compares against."""
+    p = _target_dir(target_dir)
+    raw = _read_config_json(p)
+    cfg = _text_config(raw)
+    # The hash covers the architecture-defining fields, not bookkeeping that transformers rewrites
+    # (e.g. transformers_version, dtype spelling), so re-saving a checkpoint keeps its identity.
+    keys = sorted(k for k in cfg if k not in ("transformers_version", "torch_dtype", "dtype", "_name_or_path"))
+    config_hash = hashlib.sha256(json.dumps({k: cfg[k] for k in keys}, sort_keys=True, default=str).encode()).hexdigest()
+    arch = raw.get("architectures") or []
+    return {
+        "path": str(p.resolve()),
+        "config_hash": config_hash,
+        "architecture": arch[0] if arch else None,
+        "model_type": raw.get("model_type"),
+        "hidden_size": cfg.get("hidden_size"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "vocab_size": cfg.get("vocab_size"),
+    }
+
+
+def tokenizer_hash(target_dir: str | Path) -> str:
+    """sha256 over the tokenizer files and chat template: two stores agree on tokens iff this agrees."""
+    p = _target_dir(target_dir)
+    h = hashlib.sha256()
+    found = False
+    for name in TOKENIZER_FILES:
+        f = p / name
+        if f.is_file():
+            found = True
+            h.update(name.encode())
+            h.update(f.read_bytes())
+    if not found:
+        raise TargetError(f"target directory {p} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...).")
+    return h.hexdigest()
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """As many layers as the drafter has, evenly spaced from 1 to num_target_layers - 3 (DESIGN s.2)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    lo, hi = 1, max(1, num_target_layers - 3)
+    step = (hi - lo) / (num_draft_layers - 1)
+    return [int(round(lo + i * step)) for i in range(num_draft_layers)]
+
+
+def _safetensors_index(p: Path) -> dict[str, str]:
+    """tensor name -> file name, for single-file and sharded checkpoints."""
+    idx = p / "model.safetensors.index.json"
+    if idx.is_file():
+        return json.loads(idx.read_text())["weight_map"]
+    single = p / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {k: "model.safetensors" for k in f.keys()}
+    raise TargetError(
+        f"target directory {p} has no model.safetensors or model.safetensors.index.json; "
+        "convert the checkpoint to safetensors (dflash never unpickles .bin weights)."
+    )
+
+
+def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and lm_head [V, H], read alone from safetensors."""
+    from safetensors import safe_open
+
+    p = _target_dir(target_dir)
+    weight_map = _safetensors_index(p)
+    cfg = _read_config_json(p)
+
+    def get(keys: tuple[str, ...]) -> torch.Tensor | None:
+        for k in keys:
+            if k in weight_map:
+                with safe_open(str(p / weight_map[k]), framework="pt") as f:
+                    return f.get_tensor(k)
+        # Some wrappers prefix the language model (e.g. "model.language_model.embed_tokens.weight").
+        for k, fname in weight_map.items():
+            if any(k.endswith(s) for s in keys):
+                with safe_open(str(p / fname), framework="pt") as f:
+                    return f.get_tensor(k)
+        return None
+
+    embed = get(EMBED_KEYS)
+    if embed is None:
+        raise TargetError(f"target {p}: no embedding tensor ({' or '.join(EMBED_KEYS)}) in its safetensors.")
+    head = get(HEAD_KEYS)
+    if head is None:
+        if cfg.get("tie_word_embeddings", _text_config(cfg).get("tie_word_embeddings", False)):
+            head = embed
+        else:
+            raise TargetError(f"target {p}: no lm_head.weight in its safetensors and embeddings are not tied.")
+    return embed, head
