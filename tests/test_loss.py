@@ -1,0 +1,66 @@
+"""The chunked lm_head loss against a plain full-logits autograd reference."""
+
+import math
+
+import pytest
+import torch
+
+from dflash.loss import IGNORE, block_loss, block_stats, default_gamma, position_weights, reference_block_loss
+
+
+def test_gamma_and_weights():
+    assert default_gamma(16) == 7 and default_gamma(10) == 5 and default_gamma(8) == 4
+    w = position_weights(16)
+    assert w[0] == 0 and w[1] == 1
+    assert math.isclose(float(w[8]), math.exp(-7 / 7), rel_tol=1e-6)
+    assert math.isclose(float(position_weights(8, gamma=2.0)[3]), math.exp(-1.0), rel_tol=1e-6)
+
+
+def _batch(R=2, B=4, nb=5, H=8, V=50, K=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Q = nb * B + 3  # padding at the end of each row
+    hidden = torch.randn(R, Q, H, generator=g, dtype=torch.float64)
+    head = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (R, Q), generator=g)
+    pos = torch.arange(Q) % B
+    labels[:, pos == 0] = IGNORE
+    labels[:, nb * B :] = IGNORE
+    labels[0, 7] = IGNORE  # a label past the sample end
+    weights = position_weights(B)[pos].expand(R, Q).clone().double() * (labels != IGNORE)
+    topk_ids = torch.randint(0, V, (R, Q, K), generator=g)
+    topk_lp = torch.log_softmax(torch.randn(R, Q, K, generator=g), -1)
+    return hidden, head, labels, weights, topk_ids, topk_lp, B
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_chunked_matches_reference(kd_weight, chunk):
+    hidden, head, labels, weights, tid, tlp, B = _batch()
+    denom = float(weights.sum()) * 0.7
+    h1 = hidden.clone().requires_grad_(True)
+    out = block_loss(h1, head, labels, weights, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
+                     kd_weight=kd_weight, kd_temperature=2.0, chunk=chunk)
+    (out.loss * 3.0).backward()
+    h2 = hidden.clone().requires_grad_(True)
+    ref = reference_block_loss(h2, head, labels, weights, denom, tid, tlp, kd_weight=kd_weight, kd_temperature=2.0)
+    (ref * 3.0).backward()
+    assert torch.allclose(out.loss, ref, rtol=1e-5)
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-8)
+    assert h1.grad[labels == IGNORE].abs().max() == 0  # ignored positions get no gradient
+    if kd_weight == 0:
+        assert float(out.kd_sum) == 0
+    else:
+        assert float(out.kd_sum) > 0
+
+
+def test_block_stats_tau():
+    B = 4
+    labels = torch.tensor([[IGNORE, 5, 6, 7, IGNORE, 1, 2, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]])
+    preds = torch.tensor([[0, 5, 6, 0, 0, 1, 0, 9, 0, 0, 0, 0]])
+    correct, valid, tau_sum, nblocks = block_stats(preds, labels, B)
+    # block 0: correct, correct, wrong -> tau 3; block 1: correct, wrong -> 2; block 2: padding
+    assert int(nblocks) == 2 and int(tau_sum) == 5
+    assert correct.tolist() == [0, 2, 1, 0] and valid.tolist() == [0, 2, 2, 1]
+    # an ignored label stops the run: the prediction past the sample end never counts
+    labels2 = torch.tensor([[IGNORE, 5, IGNORE, IGNORE]])
+    assert int(block_stats(torch.tensor([[0, 5, 3, 3]]), labels2, B)[2]) == 2
