@@ -1,0 +1,140 @@
+"""`dflash train --gpus 5,6,7 | cpu:N`: one training process per device, started by torch.distributed.
+
+The processes are started with torch.distributed's own elastic launcher (what `torchrun --standalone`
+runs), never as threads: torch.compile is not thread-safe.  Under an outside `torchrun` (RANK,
+WORLD_SIZE and LOCAL_RANK set) nothing is spawned, this process just trains.  One device means no
+launcher at all: the training runs in this process.
+
+User errors are checked here first, before any process starts (a bad store or run directory should
+cost a message, not N stack traces); a DFlashError raised inside a training process is carried back
+to this process through a file and re-raised with its message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import uuid
+from pathlib import Path
+
+from dflash.config import TrainConfig
+from dflash.errors import ConfigError, DFlashError
+
+
+@dataclasses.dataclass(frozen=True)
+class Devices:
+    kind: str  # "cuda" | "cpu"
+    ids: tuple[int, ...]  # CUDA device ids, or range(N) for cpu:N
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+
+def parse_gpus(spec: str) -> Devices:
+    """'5,6,7' -> cuda (5, 6, 7); 'cpu:N' / 'cpu' -> N CPU processes; 'auto' -> all GPUs, else cpu:1."""
+    s = (spec or "").strip().lower().replace(" ", "")
+    if s in ("", "auto"):
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return Devices("cuda", tuple(range(n))) if n else Devices("cpu", (0,))
+    if s == "cpu" or s.startswith("cpu:"):
+        n = s.split(":", 1)[1] if ":" in s else "1"
+        if not n.isdigit() or int(n) < 1:
+            raise ConfigError(f"--gpus {spec!r}: write cpu:N with N >= 1 processes, e.g. --gpus cpu:2.")
+        return Devices("cpu", tuple(range(int(n))))
+    parts = [p for p in s.split(",") if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--gpus {spec!r}: give comma-separated GPU ids (e.g. 5,6,7) or cpu:N (e.g. cpu:2).")
+    ids = tuple(int(p) for p in parts)
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"--gpus {spec!r} lists a GPU twice; each process needs its own GPU.")
+    return Devices("cuda", ids)
+
+
+def check_devices(devices: Devices) -> None:
+    if devices.kind != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--gpus {','.join(map(str, devices.ids))} asks for GPUs but CUDA is not available in this "
+            f"environment (torch {torch.__version__}); run on CPU with --gpus cpu:N (e.g. --gpus cpu:2)."
+        )
+    n = torch.cuda.device_count()
+    bad = [i for i in devices.ids if i >= n]
+    if bad:
+        raise ConfigError(f"--gpus lists GPU {bad[0]} but only {n} GPU(s) are visible (ids 0..{n - 1}).")
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str) -> None:
+    """Entry point of one launched process (module level: it is pickled to spawned processes)."""
+    from dflash.train import run_training
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    cfg = TrainConfig(**{**cfg_dict, "betas": tuple(cfg_dict["betas"])})
+    try:
+        run_training(cfg, device=_device_for(kind, ids, local_rank))
+    except DFlashError as e:
+        Path(error_dir, f"rank{os.environ.get('RANK', local_rank)}.txt").write_text(str(e))
+        raise
+
+
+def _device_for(kind: str, ids: tuple[int, ...], local_rank: int) -> str:
+    return f"cuda:{ids[local_rank]}" if kind == "cuda" else "cpu"
+
+
+def launch_train(cfg: TrainConfig) -> dict | None:
+    """Train with one process per requested device; returns the final metrics (in this process only
+    when it trained itself, i.e. one device or under torchrun)."""
+    from dflash.train import preflight, run_training
+
+    if under_torchrun():
+        # torchrun started the processes; each one takes the GPU of its local rank (from the --gpus
+        # list when it has one per local process).
+        devices = parse_gpus(cfg.gpus)
+        check_devices(devices)
+        local_rank = int(os.environ["LOCAL_RANK"])
+        ids = devices.ids if devices.kind == "cuda" and local_rank < devices.count else tuple(range(local_rank + 1))
+        return run_training(cfg, device=_device_for(devices.kind, ids, local_rank))
+
+    devices = parse_gpus(cfg.gpus)
+    check_devices(devices)
+    preflight(cfg)
+    if devices.count == 1:
+        return run_training(cfg, device=_device_for(devices.kind, devices.ids, 0))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_cfg = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=devices.count,
+        run_id=f"dflash-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    cfg_dict = dataclasses.asdict(cfg)
+    with tempfile.TemporaryDirectory(prefix="dflash-launch-") as error_dir:
+        try:
+            elastic_launch(launch_cfg, _worker)(cfg_dict, devices.kind, devices.ids, error_dir)
+        except ChildFailedError:
+            messages = sorted(Path(error_dir).glob("rank*.txt"))
+            if messages:
+                raise DFlashError(messages[0].read_text()) from None
+            raise
+    return None
+
+
+__all__ = ["Devices", "parse_gpus", "check_devices", "under_torchrun", "launch_train"]
