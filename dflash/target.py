@@ -1,0 +1,189 @@
+"""The target model: loading it, capturing chosen layers' hidden states, and its top-k next-token log-probs.
+
+Hidden states come from forward hooks on the decoder layers rather than `output_hidden_states=True`, which
+would keep every layer's activations alive; with top-k off the forward stops right after the last layer
+needed.  Top-k runs lm_head over a chunk of positions at a time, so the full-vocabulary logits of a whole
+batch (rows x length x 150k floats) never exist at once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from dflash.errors import TargetError
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow and only tests run there)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise TargetError(f"unknown target dtype {name!r}; use auto, bf16 or fp32.")
+    return DTYPES[name]
+
+
+def _check_dir(target_dir) -> Path:
+    p = Path(target_dir)
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise TargetError(
+            f"target {p} is not a local transformers checkpoint (no {'directory' if not p.is_dir() else 'config.json'}); "
+            "pass a directory holding config.json, the safetensors weights and the tokenizer with --target."
+        )
+    return p
+
+
+def load_tokenizer(target_dir, trust_remote_code: bool = False):
+    """The target's fast tokenizer; it must have a chat template (loss masks come from it)."""
+    from transformers import AutoTokenizer
+
+    p = _check_dir(target_dir)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for broken tokenizers
+        raise TargetError(f"cannot load the tokenizer of target {p} ({type(e).__name__}: {e}).") from None
+    if not getattr(tok, "chat_template", None):
+        raise TargetError(
+            f"the tokenizer of target {p} has no chat template, so assistant turns cannot be told apart; "
+            "use an instruct/chat checkpoint or add a chat_template.jinja to that directory."
+        )
+    if not getattr(tok, "is_fast", False):
+        raise TargetError(
+            f"the tokenizer of target {p} is not a fast tokenizer (no tokenizer.json); loss masks need its "
+            "character offsets. Convert it with transformers and save it to the directory."
+        )
+    return tok
+
+
+def load_target(target_dir, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
+    """An `AutoModelForCausalLM` in eval mode on `device`, without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    p = _check_dir(target_dir)
+    # With accelerate installed, weights load straight onto the GPU instead of through host memory
+    # (which N shard processes of a large target would otherwise each fill).
+    kw = {"device_map": {"": str(device)}} if device.type != "cpu" and importlib.util.find_spec("accelerate") else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+        model.to(device)
+    except Exception as e:
+        raise TargetError(
+            f"cannot load target {p} as a causal LM ({type(e).__name__}: {e}); check that the directory "
+            "holds a complete checkpoint (pass --trust-remote-code only if it needs its own code)."
+        ) from None
+    model.eval().requires_grad_(False)
+    return model
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder's layer list (`model.model.layers` for Llama/Qwen3, found generically otherwise)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return layers
+    n = model.config.get_text_config().num_hidden_layers
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
+            return mod
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}; this architecture is unsupported.")
+
+
+def check_layers(layer_ids: list[int], num_layers: int, target_dir) -> list[int]:
+    """Layer ids must be distinct and in 0..num_layers-1 (the output of layer i = hidden_states[i + 1])."""
+    if not layer_ids:
+        raise TargetError("no target layers to capture; pass --target-layers, e.g. 1,9,17.")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(
+            f"target layer id(s) {', '.join(map(str, bad))} out of range: target {target_dir} has {num_layers} "
+            f"layers (valid ids 0..{num_layers - 1}); fix --target-layers."
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise TargetError(f"--target-layers {layer_ids} repeats a layer; list each layer once.")
+    return list(layer_ids)
+
+
+class _Stop(Exception):
+    """Raised by the last needed hook to end a forward early."""
+
+
+class Capture:
+    """Runs the target on a right-padded batch and returns what the store keeps, all in `model`'s device.
+
+    Right padding needs no attention mask: under causal attention a real token never sees the pads after
+    it, so the fast causal kernel runs and the real positions are exactly those of an unpadded forward.
+    """
+
+    def __init__(self, model, layer_ids: list[int], topk: int = 8, lm_head_chunk: int = 4096):
+        self.model = model
+        self.layers = decoder_layers(model)
+        self.layer_ids = check_layers(layer_ids, len(self.layers), getattr(model, "name_or_path", "?"))
+        self.topk = topk
+        self.lm_head_chunk = lm_head_chunk
+        self.decoder = model.get_decoder()
+        self.final_norm = getattr(self.decoder, "norm", None)
+        cfg = model.config.get_text_config()
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides logits by it
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """input_ids [B, T] -> hidden [B, T, L*H]; with top-k also topk_ids [B, T, K] int64 and
+        topk_logprobs [B, T, K] float32 (zeros at padded positions; `lengths` [B] marks the real ones)."""
+        captured: dict[int, torch.Tensor] = {}
+        last_needed = max(self.layer_ids)
+        last_layer = len(self.layers) - 1
+
+        def hook_for(i):
+            def hook(_module, _args, output):
+                h = output[0] if isinstance(output, (tuple, list)) else output
+                if i == last_layer and self.final_norm is not None:
+                    h = self.final_norm(h)  # transformers' hidden_states[-1] is after the final norm
+                captured[i] = h
+                if self.topk == 0 and i == last_needed:
+                    raise _Stop
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in set(self.layer_ids)]
+        try:
+            out = self.decoder(input_ids=input_ids, use_cache=False)
+        except _Stop:
+            out = None
+        finally:
+            for h in handles:
+                h.remove()
+        result = {"hidden": torch.cat([captured[i] for i in self.layer_ids], dim=-1)}
+        if self.topk > 0:
+            ids, logprobs = self.topk_of(out.last_hidden_state, input_ids.shape, lengths)
+            result["topk_ids"], result["topk_logprobs"] = ids, logprobs
+        return result
+
+    def topk_of(self, last_hidden: torch.Tensor, shape, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = shape
+        if lengths is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=last_hidden.device)
+        else:
+            valid = torch.arange(T, device=last_hidden.device)[None, :] < lengths.to(last_hidden.device)[:, None]
+        flat = last_hidden[valid]  # [N, H], real positions only
+        head = self.model.get_output_embeddings()
+        ids = torch.zeros(B, T, self.topk, dtype=torch.int64, device=last_hidden.device)
+        logprobs = torch.zeros(B, T, self.topk, dtype=torch.float32, device=last_hidden.device)
+        out_ids, out_lp = [], []
+        for s in range(0, flat.shape[0], self.lm_head_chunk):
+            logits = head(flat[s : s + self.lm_head_chunk]).float()
+            if self.logits_scaling:
+                logits = logits / self.logits_scaling
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            lp, ix = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            out_ids.append(ix)
+            out_lp.append(lp)
+        if out_ids:
+            ids[valid] = torch.cat(out_ids)
+            logprobs[valid] = torch.cat(out_lp)
+        return ids, logprobs
