@@ -1,0 +1,207 @@
+"""The store's manifest: what produced the store, and whether each shard is finished.
+
+`STORE/manifest.json` is written once, atomically, by the process that starts a precompute run (before
+the shard processes start).  It never changes afterwards, so shard processes never race on it: each
+shard's status lives in its own file, `STORE/shard-00000/status.json`, written atomically (tmp + fsync +
+os.replace) by the one process that owns that shard.  `read_manifest` returns the merged view (the
+manifest with `shards` overlaid by the status files); that view is what `open_store(...).manifest` is.
+
+Manifest keys (the ones with meaning; anything else is kept as free-form run information):
+
+    format_version      int, FORMAT_VERSION
+    target              dflash.target_io.target_identity(...) dict
+    tokenizer_hash      dflash.target_io.tokenizer_hash(...)
+    dataset_fingerprint str identifying the input rows (path + size/mtime or datasets fingerprint)
+    target_layer_ids    list[int]
+    hidden_dtype        "bf16" | "fp8"
+    topk                int (0 = no top-k arrays)
+    max_length          int
+    num_shards          int
+    shards              {"shard-00000": {"status": "pending" | "running" | "complete", ...stats}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import StoreError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATUS = "status.json"
+
+# (manifest key, nested key or None, human name) compared by create_or_check_manifest.
+IDENTITY_FIELDS = (
+    ("target", "config_hash", "target config hash"),
+    ("target", "hidden_size", "target hidden size"),
+    ("target", "num_hidden_layers", "target layer count"),
+    ("tokenizer_hash", None, "tokenizer / chat template hash"),
+    ("dataset_fingerprint", None, "dataset fingerprint"),
+    ("target_layer_ids", None, "target_layer_ids"),
+    ("hidden_dtype", None, "hidden_dtype"),
+    ("topk", None, "topk"),
+    ("max_length", None, "max_length"),
+    ("num_shards", None, "num_shards"),
+)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{int(index):05d}"
+
+
+# ----------------------------------------------------------------------------------------------------
+# durable file primitives (used by the writer too)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename or a new file in `path` durable (POSIX: the directory entry lives in the directory)."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"{path} cannot be read ({e}); the store is damaged: rerun precompute with --overwrite.") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# manifest
+
+
+def _get(m: dict, key: str, sub: str | None):
+    v = m.get(key)
+    if sub is not None:
+        v = v.get(sub) if isinstance(v, dict) else None
+    return v
+
+
+def manifest_differences(old: dict, new: dict) -> list[str]:
+    diffs = []
+    for key, sub, name in IDENTITY_FIELDS:
+        a, b = _get(old, key, sub), _get(new, key, sub)
+        if a != b:
+            diffs.append(f"{name}: store has {a!r}, this run has {b!r}")
+    return diffs
+
+
+def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, overwrite: bool = False) -> dict:
+    """Create STORE/manifest.json, or check that an existing store was made by the same inputs.
+
+    Call it once, in the process that starts the shard processes.  With `overwrite`, an existing store
+    directory is deleted first.  Returns the manifest as written (or as found).
+    """
+    root = Path(store_path)
+    mpath = root / MANIFEST
+    if overwrite and root.exists():
+        shutil.rmtree(root)
+    if mpath.is_file():
+        old = _read_json(mpath)
+        if old.get("format_version") != FORMAT_VERSION:
+            raise StoreError(
+                f"store {root} has format_version {old.get('format_version')!r}, this dflash writes "
+                f"{FORMAT_VERSION}; pass --overwrite to start the store over."
+            )
+        diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest})
+        if diffs:
+            raise StoreError(
+                f"store {root} was written by a different run ({'; '.join(diffs)}). Rerunning continues a "
+                "store only with the same inputs; pass --overwrite to start over, or choose another --out."
+            )
+        return old
+    if root.exists() and any(root.iterdir()):
+        raise StoreError(
+            f"{root} exists, is not empty and has no {MANIFEST}; it is not a dflash store. Choose another "
+            "--out, or pass --overwrite to delete it and start over."
+        )
+    m = {"format_version": FORMAT_VERSION, **manifest}
+    m.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
+    n = int(m.get("num_shards") or 0)
+    m["shards"] = {shard_name(i): {"status": "pending"} for i in range(n)}
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(mpath, (json.dumps(m, indent=2, sort_keys=True, default=str) + "\n").encode())
+    return m
+
+
+def mark_shard(store_path: str | os.PathLike, shard: int, status: str, stats: dict | None = None) -> None:
+    """Record a shard's status (and free-form stats) in its own status file; one writer per shard."""
+    d = Path(store_path) / shard_name(shard)
+    d.mkdir(parents=True, exist_ok=True)
+    body = {"status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%S"), **(stats or {})}
+    atomic_write_bytes(d / STATUS, (json.dumps(body, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def shard_status(store_path: str | os.PathLike, shard: int) -> dict:
+    p = Path(store_path) / shard_name(shard) / STATUS
+    try:
+        return _read_json(p)
+    except FileNotFoundError:
+        return {"status": "pending"}
+
+
+def read_manifest(store_path: str | os.PathLike) -> dict:
+    """The manifest with each shard's status file merged in.  StoreError naming the path when missing."""
+    root = Path(store_path)
+    if not root.is_dir():
+        raise StoreError(f"store {root} does not exist; run `dflash precompute --out {root}` first.")
+    mpath = root / MANIFEST
+    try:
+        m = _read_json(mpath)
+    except FileNotFoundError:
+        raise StoreError(
+            f"{mpath} does not exist: {root} is not a dflash store (or its precompute never started)."
+        ) from None
+    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
+        raise StoreError(
+            f"{mpath} has format_version {m.get('format_version') if isinstance(m, dict) else None!r}; "
+            f"this dflash reads {FORMAT_VERSION}. Recreate the store with this version."
+        )
+    m["shards"] = {shard_name(i): shard_status(root, i) for i in range(int(m.get("num_shards") or 0))}
+    return m
+
+
+def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer_ids=None) -> None:
+    """Refuse a store that does not match the target (and drafter layer choice) a training run uses."""
+    tgt = manifest.get("target") or {}
+    checks = [
+        ("hidden size", tgt.get("hidden_size"), identity.get("hidden_size")),
+        ("number of target layers", tgt.get("num_hidden_layers"), identity.get("num_hidden_layers")),
+        ("vocab size", tgt.get("vocab_size"), identity.get("vocab_size")),
+        ("tokenizer / chat template hash", manifest.get("tokenizer_hash"), tok_hash),
+    ]
+    if target_layer_ids is not None:
+        checks.append(("target_layer_ids", list(manifest.get("target_layer_ids") or []), list(target_layer_ids)))
+    diffs = [f"{name}: store has {a!r}, expected {b!r}" for name, a, b in checks if a != b]
+    if diffs:
+        raise StoreError(
+            f"the store does not match this target/drafter ({'; '.join(diffs)}). Precompute a store with "
+            "this target (and --target-layers), or train with the target the store was made from."
+        )
