@@ -195,6 +195,34 @@ def to_block_mask(meta: dict[str, torch.Tensor], tile: int = TILE):
     )
 
 
+def _tile_map(num: torch.Tensor, idx: torch.Tensor, n_kv_tiles: int) -> torch.Tensor:
+    """[..., Qt] counts + [..., Qt, W] indices -> bool [..., Qt, n_kv_tiles]."""
+    used = torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1)
+    out = torch.zeros(*idx.shape[:-1], n_kv_tiles + 1, dtype=torch.bool, device=idx.device)
+    out.scatter_(-1, torch.where(used, idx.long(), n_kv_tiles), True)  # unused slots land in a spare column
+    return out[..., :n_kv_tiles]
+
+
+def block_mask_to_dense(bm) -> torch.Tensor:
+    """Bool [R, H, Q, KV] exactly as flex_attention applies a BlockMask: full tiles on, partial tiles
+    through mask_mod, other tiles off. Eager and dense: for CPU training and checks on small inputs."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    Q, KV = bm.seq_lengths
+    tq, tk = bm.BLOCK_SIZE
+    R, Hm = bm.kv_num_blocks.shape[:2]
+    n_kv_tiles = -(-KV // tk)
+    partial = _tile_map(bm.kv_num_blocks, bm.kv_indices, n_kv_tiles)
+    full = (_tile_map(bm.full_kv_num_blocks, bm.full_kv_indices, n_kv_tiles)
+            if bm.full_kv_num_blocks is not None else torch.zeros_like(partial))
+
+    def expand(t):
+        return t.repeat_interleave(tq, -2).repeat_interleave(tk, -1)[..., :Q, :KV]
+
+    mod = create_mask(bm.mask_mod, R, Hm, Q, KV, device=bm.kv_indices.device)
+    return (expand(partial) & mod) | expand(full)
+
+
 def to_dense_mask(meta: dict[str, torch.Tensor]) -> torch.Tensor:
     """Bool [R, 1, Q, S+Q] for the model's SDPA path (small inputs, CPU, debugging)."""
     return dense_mask(_batched(meta)).unsqueeze(1)

@@ -163,3 +163,14 @@ def test_metadata_speed():
     dt = (time.perf_counter() - t) / 5
     print(f"mask_metadata S=16384 Q=4096: {dt * 1e3:.2f} ms")
     assert dt < 0.5
+
+
+def test_block_mask_to_dense_matches_rule():
+    rows = [random_row(s, 10, n_samples=4, max_len=250) for s in (3, 4)]
+    S, Q = max(r["S"] for r in rows), max(r["Q"] for r in rows)
+    meta = masks.stack_metadata([masks.mask_metadata(**{**r, "S": S, "Q": Q}) for r in rows])
+    dense = masks.block_mask_to_dense(masks.to_block_mask(meta))
+    assert dense.shape == (2, 1, Q, S + Q)
+    assert torch.equal(dense, masks.to_dense_mask(meta))
+    for i, r in enumerate(rows):
+        assert torch.equal(dense[i, 0], rule_by_loops({**r, "S": S, "Q": Q}))
