@@ -33,6 +33,8 @@ class PrecomputeConfig:
     hidden_dtype: str = "bf16"  # bf16 | fp8
     token_budget: int = 16384  # tokens per forward batch (padded length x rows)
     lm_head_chunk: int = 4096  # positions per lm_head chunk when computing top-k
+    commit_every_tokens: int = 32768  # a shard commits (becomes durable, resumable) every N tokens
+    store_chunk_tokens: int | None = None  # Zarr inner chunk in tokens (None: ~4 MB of hidden states)
     split: str = "train"  # split to read from a saved DatasetDict
     max_samples: int | None = None  # read only the first N rows (smoke tests)
     dtype: str = "auto"  # target compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
@@ -51,6 +53,7 @@ class TrainConfig:
     block_size: int = 16
     num_layers: int = 1
     mask_token_id: int | None = None  # None = a spare id of the target's embedding table
+    target_layers: list[int] | None = None  # None = the store's; else must equal the store's
     # schedule
     steps: int | None = None  # total optimizer steps; None = derived from epochs
     epochs: float = 1.0
@@ -63,6 +66,8 @@ class TrainConfig:
     grad_accum: int = 1
     # data
     token_budget: int = 4096  # context tokens per packed row
+    block_budget: int | None = None  # block (query) tokens per packed row; None = token_budget
+    num_shapes: int = 3  # padded S and Q each come from this many multiples of 128 (budget, /2, /4)
     rows_per_batch: int = 1  # packed rows per micro-batch per process
     num_anchors: int = 64  # anchors per sample per epoch (upper bound)
     num_workers: int = 2  # DataLoader worker processes per training process
@@ -98,6 +103,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     num_anchors: int = 64
     device: str = "auto"
+    dtype: str = "fp32"  # online target + drafter dtype: fp32 keeps the lossless check exact; bf16 = serving speed
     seed: int = 0
 
 
@@ -106,6 +112,7 @@ class ExportConfig:
     source: str = ""  # run directory or checkpoint directory
     out: str = ""
     check: bool = False
+    dtype: str = "bf16"  # weights dtype of the export (bf16 | fp16 | fp32); --check rounds the reference alike
 
 
 SECTIONS: dict[type, str] = {

@@ -1,0 +1,346 @@
+"""From the store to packed training micro-batches: buckets, packing, anchors, labels, mask metadata.
+
+An epoch's *plan* is a list of micro-batches (each `rows_per_batch` packed rows, each row a few samples
+of similar length) and depends on (seed, epoch) and the store index only, not on the number of
+processes.  Processes split it round-robin: optimizer step `s` of an epoch consumes micro-batches
+`[s*W*A, (s+1)*W*A)` (W processes, A accumulation steps), so the data position after any step is a
+prefix of the plan and can be stored as "samples consumed in this epoch" and resumed on any W.
+
+The heavy part of a micro-batch (reading hidden states, drawing anchors, building labels, the
+closed-form block-sparse mask metadata of `dflash.masks`) runs in DataLoader worker processes; the
+training process only turns the metadata into a BlockMask (masks.to_block_mask).
+
+Shapes: the context stream S and block stream Q of a micro-batch are padded to the smallest entry of a
+short list of multiples of 128 (`shape_set`), so a compiled drafter sees a handful of shapes in total.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import multiprocessing as mp
+
+import numpy as np
+import torch
+
+from dflash import masks
+from dflash.errors import DataError
+from dflash.loss import IGNORE, position_weights
+
+TILE = masks.TILE
+_PLAN_WINDOW = 4096  # samples sorted together by length before packing ("length buckets")
+_OPEN_ROWS = 8  # rows kept open while packing a window (first-fit among them)
+
+
+def round_up(n: int, m: int = TILE) -> int:
+    return max(m, -(-int(n) // m) * m)
+
+
+def shape_set(budget: int, count: int = 3) -> list[int]:
+    """A short ascending list of multiples of 128 up to round_up(budget): budget, budget/2, budget/4..."""
+    return sorted({round_up(budget / 2**i) for i in range(max(1, count))})
+
+
+def fit_shape(n: int, shapes: list[int]) -> int:
+    for s in shapes:
+        if n <= s:
+            return s
+    raise ValueError(f"{n} tokens exceed the largest shape {shapes[-1]}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# per-sample semantics (DESIGN section 3)
+
+
+def eligible_anchors(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions a with tokens a and a+1 both supervised (so a + 1 < length holds by construction)."""
+    m = np.asarray(loss_mask, dtype=bool)
+    return np.flatnonzero(m[:-1] & m[1:])
+
+
+def draw_anchors(loss_mask: np.ndarray, num_anchors: int, seed: int, epoch: int, sample_id: int) -> np.ndarray:
+    """Up to `num_anchors` distinct eligible anchors, sorted; a function of (seed, epoch, sample_id)."""
+    cand = eligible_anchors(loss_mask)
+    if len(cand) <= num_anchors:
+        return cand
+    rng = np.random.default_rng([int(seed), int(epoch), int(sample_id)])
+    return np.sort(rng.choice(cand, size=num_anchors, replace=False))
+
+
+def block_targets(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndarray, block_size: int,
+                  mask_token_id: int, weights: np.ndarray) -> dict[str, np.ndarray]:
+    """The block stream of one sample: inputs, positions, labels and loss weights, each [n * B].
+
+    Block j: input `[token a_j, MASK x (B-1)]` at positions a_j + k; position k >= 1 is labelled with
+    the token at a_j + k when that lies inside the sample and is supervised, else IGNORE (weight 0).
+    """
+    T, B = len(input_ids), block_size
+    k = np.arange(B)
+    pos = (anchors[:, None] + k[None, :]).reshape(-1)
+    kk = np.tile(k, len(anchors))
+    inside = pos < T
+    pos_c = np.minimum(pos, T - 1)
+    ok = inside & (kk >= 1) & np.asarray(loss_mask, dtype=bool)[pos_c]
+    labels = np.where(ok, np.asarray(input_ids)[pos_c], IGNORE)
+    inputs = np.where(kk == 0, np.asarray(input_ids)[pos_c], mask_token_id)
+    return dict(input_ids=inputs, positions=pos, labels=labels, weights=np.where(ok, weights[kk], 0.0),
+                pos_in_block=kk, source=pos_c - 1)  # source: where the target predicted this label
+
+
+# ---------------------------------------------------------------------------------------------------
+# the epoch plan
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec:
+    """Everything the workers need to build micro-batches; small and picklable."""
+
+    block_size: int
+    num_anchors: int  # per sample per epoch (upper bound)
+    token_budget: int  # context tokens per row (S max)
+    block_budget: int  # block tokens per row (Q max)
+    rows_per_batch: int
+    mask_token_id: int
+    gamma: float | None = None
+    seed: int = 0
+    num_shapes: int = 3
+    kd: bool = False
+
+    @property
+    def s_shapes(self) -> list[int]:
+        return shape_set(self.token_budget, self.num_shapes)
+
+    @property
+    def q_shapes(self) -> list[int]:
+        return shape_set(self.block_budget, self.num_shapes)
+
+    @property
+    def max_blocks(self) -> int:
+        return min(self.num_anchors, round_up(self.block_budget) // self.block_size)
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    batches: list[list[np.ndarray]]  # micro-batch -> rows -> sample indices (positions in sample_ids)
+    samples_before: np.ndarray  # [len(batches) + 1]: samples in micro-batches [0, g)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def batch_at_samples(self, samples: int) -> int:
+        """The micro-batch index where a prefix of `samples` samples ends (a resume point)."""
+        g = int(np.searchsorted(self.samples_before, samples))
+        if g >= len(self.samples_before) or self.samples_before[g] != samples:
+            raise DataError(
+                f"the saved data position ({samples} samples into the epoch) is not a micro-batch boundary "
+                "of this epoch's plan: the store or the data options (token budget, rows per batch, seed, "
+                "block size, anchors) changed since the checkpoint; resume with the original settings."
+            )
+        return g
+
+
+def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, epoch: int) -> EpochPlan:
+    """Shuffle, sort windows by length, pack rows under both budgets, group rows, shuffle micro-batches."""
+    rng = np.random.default_rng([int(spec.seed), int(epoch), 0xB0C5])
+    S = spec.s_shapes[-1]
+    Qb = spec.q_shapes[-1]
+    ctx = np.minimum(lengths, S)
+    blk = max_blocks * spec.block_size
+    order = rng.permutation(np.flatnonzero(max_blocks > 0))
+    rows: list[list[int]] = []
+    for w0 in range(0, len(order), _PLAN_WINDOW):
+        window = order[w0 : w0 + _PLAN_WINDOW]
+        window = window[np.argsort(-ctx[window], kind="stable")]
+        open_rows: list[list] = []  # [samples, ctx used, blocks used]
+        for i in window:
+            c, b = int(ctx[i]), int(blk[i])
+            for r in open_rows:
+                if r[1] + c <= S and r[2] + b <= Qb:
+                    r[0].append(int(i))
+                    r[1] += c
+                    r[2] += b
+                    break
+            else:
+                if len(open_rows) == _OPEN_ROWS:
+                    rows.append(open_rows.pop(0)[0])
+                open_rows.append([[int(i)], c, b])
+        rows.extend(r[0] for r in open_rows)
+    R = spec.rows_per_batch
+    batches = [[np.asarray(r, dtype=np.int64) for r in rows[i : i + R]] for i in range(0, len(rows), R)]
+    batches = [batches[i] for i in rng.permutation(len(batches))]
+    counts = np.array([sum(len(r) for r in b) for b in batches], dtype=np.int64)
+    return EpochPlan(batches, np.concatenate([[0], np.cumsum(counts)]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the dataset (runs in worker processes) and the sampler (main process)
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, as a dict of tensors."""
+
+    def __init__(self, store, spec: LoaderSpec):
+        self.store = store
+        self.spec = spec
+        self.sample_ids = np.asarray(store.sample_ids(), dtype=np.int64)
+        self.lengths = np.asarray(store.lengths(), dtype=np.int64)
+        nsup = np.asarray(store.num_supervised(), dtype=np.int64)
+        self.max_blocks = np.minimum(np.maximum(nsup - 1, 0), spec.max_blocks)
+        self.weights = position_weights(spec.block_size, spec.gamma).numpy()
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019  (one dataset per process; plans are small)
+    def plan(self, epoch: int) -> EpochPlan:
+        return plan_epoch(self.lengths, self.max_blocks, self.spec, epoch)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        epoch, g = key
+        return self.build(epoch, self.plan(epoch).batches[g], g)
+
+    def _sample(self, idx: int, epoch: int) -> dict:
+        spec = self.spec
+        sid = int(self.sample_ids[idx])
+        fields = ["input_ids", "loss_mask", "hidden"] + (["topk_ids", "topk_logprobs"] if spec.kd else [])
+        d = self.store.read(sid, fields=fields)
+        T = min(len(d["input_ids"]), spec.s_shapes[-1])  # longer samples are cut to the row budget
+        ids = d["input_ids"][:T].numpy()
+        lm = d["loss_mask"][:T].numpy().astype(bool)
+        anchors = draw_anchors(lm, int(self.max_blocks[idx]), spec.seed, epoch, sid)
+        blocks = block_targets(ids, lm, anchors, spec.block_size, spec.mask_token_id, self.weights)
+        out = dict(sid=sid, T=T, hidden=d["hidden"][:T], anchors=anchors, **blocks)
+        if spec.kd:
+            src = torch.from_numpy(np.maximum(blocks["source"], 0))
+            out["topk_ids"] = d["topk_ids"][:T][src]
+            out["topk_logprobs"] = d["topk_logprobs"][:T][src]
+        return out
+
+    def build(self, epoch: int, rows: list[np.ndarray], g: int = -1) -> dict:
+        spec, B = self.spec, self.spec.block_size
+        R = spec.rows_per_batch
+        samples = [[self._sample(int(i), epoch) for i in row] for row in rows]
+        S = fit_shape(max(sum(s["T"] for s in row) for row in samples), spec.s_shapes)
+        Q = fit_shape(max(1, max(sum(len(s["anchors"]) for s in row) for row in samples) * B), spec.q_shapes)
+        LH = samples[0][0]["hidden"].shape[-1]
+        K = samples[0][0]["topk_ids"].shape[-1] if spec.kd else 0
+        b = dict(
+            ctx_hidden=torch.zeros(R, S, LH, dtype=samples[0][0]["hidden"].dtype),
+            ctx_positions=torch.zeros(R, S, dtype=torch.long),
+            block_input_ids=torch.full((R, Q), spec.mask_token_id, dtype=torch.long),
+            block_positions=torch.zeros(R, Q, dtype=torch.long),
+            labels=torch.full((R, Q), IGNORE, dtype=torch.long),
+            loss_weight=torch.zeros(R, Q, dtype=torch.float32),
+            block_pos_in_block=torch.zeros(R, Q, dtype=torch.long),
+        )
+        if spec.kd:
+            b["topk_ids"] = torch.zeros(R, Q, K, dtype=torch.long)
+            b["topk_logprobs"] = torch.zeros(R, Q, K, dtype=torch.float32)
+        metas = []
+        for r in range(R):
+            row = samples[r] if r < len(samples) else []  # the last micro-batch may have fewer rows
+            c0, q0 = 0, 0
+            starts, lens, block_sample, block_anchor = [], [], [], []
+            for j, s in enumerate(row):
+                T, n = s["T"], len(s["labels"])
+                b["ctx_hidden"][r, c0 : c0 + T] = s["hidden"]
+                b["ctx_positions"][r, c0 : c0 + T] = torch.arange(T)
+                b["block_input_ids"][r, q0 : q0 + n] = torch.from_numpy(s["input_ids"])
+                b["block_positions"][r, q0 : q0 + n] = torch.from_numpy(s["positions"])
+                b["labels"][r, q0 : q0 + n] = torch.from_numpy(s["labels"])
+                b["loss_weight"][r, q0 : q0 + n] = torch.from_numpy(s["weights"].astype(np.float32))
+                b["block_pos_in_block"][r, q0 : q0 + n] = torch.from_numpy(s["pos_in_block"])
+                if spec.kd:
+                    b["topk_ids"][r, q0 : q0 + n] = s["topk_ids"].long()
+                    b["topk_logprobs"][r, q0 : q0 + n] = s["topk_logprobs"].float()
+                starts.append(c0)
+                lens.append(T)
+                block_sample += [j] * len(s["anchors"])
+                block_anchor += s["anchors"].tolist()
+                c0 += T
+                q0 += n
+            metas.append(masks.mask_metadata(starts, lens, block_sample, block_anchor, B, S, Q))
+        b["mask"] = masks.stack_metadata(metas)
+        flat = [s for row in samples for s in row]
+        b["sample_ids"] = torch.tensor([s["sid"] for s in flat], dtype=torch.long)
+        b["num_samples"] = len(flat)
+        b["num_ctx_tokens"] = sum(s["T"] for s in flat)
+        b["num_block_tokens"] = sum(len(s["labels"]) for s in flat)
+        b["epoch"], b["index"] = epoch, g
+        return b
+
+
+class RankSampler(torch.utils.data.Sampler):
+    """Keys (epoch, g) of this rank's micro-batches for `steps` optimizer steps from a start point."""
+
+    def __init__(self, dataset: PackedDataset, rank: int, world: int, accum: int, start_epoch: int,
+                 start_batch: int, steps: int):
+        self.ds, self.rank, self.world, self.accum = dataset, rank, world, accum
+        self.start_epoch, self.start_batch, self.steps = start_epoch, start_batch, steps
+
+    def step_keys(self):
+        """(epoch, first micro-batch, [keys of this rank]) for each step, in order."""
+        epoch, g, done, empty = self.start_epoch, self.start_batch, 0, 0
+        per_step = self.world * self.accum
+        while done < self.steps:
+            n = len(self.ds.plan(epoch))
+            if g + per_step > n:  # the epoch's tail that cannot feed every process is left out
+                epoch, g = epoch + 1, 0
+                empty = empty + 1 if n < per_step else 0
+                if empty >= 2:
+                    raise DataError(
+                        f"an epoch of this store packs into {n} micro-batches, fewer than one optimizer step "
+                        f"needs ({self.world} processes x {self.accum} accumulation steps); use fewer "
+                        "processes, less --grad-accum, a smaller --token-budget or a bigger store."
+                    )
+                continue
+            yield epoch, g, [(epoch, g + a * self.world + self.rank) for a in range(self.accum)]
+            g += per_step
+            done += 1
+
+    def __iter__(self):
+        for _, _, keys in self.step_keys():
+            yield from keys
+
+    def __len__(self) -> int:
+        return self.steps * self.accum
+
+
+def steps_per_epoch(dataset: PackedDataset, world: int, accum: int, epoch: int = 0) -> int:
+    return len(dataset.plan(epoch)) // (world * accum)
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)  # workers do light numpy work; leave the cores to the training process
+
+
+def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False):
+    """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads)."""
+    if num_workers < 1:
+        raise DataError("num_workers must be >= 1: mask metadata is built in DataLoader worker processes.")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "dflash.loader"])
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        sampler=sampler,
+        num_workers=num_workers,
+        multiprocessing_context=ctx,
+        worker_init_fn=_worker_init,
+        pin_memory=pin_memory,
+        prefetch_factor=4,
+        persistent_workers=False,
+    )
+
+
+__all__ = [
+    "LoaderSpec",
+    "EpochPlan",
+    "PackedDataset",
+    "RankSampler",
+    "shape_set",
+    "fit_shape",
+    "eligible_anchors",
+    "draw_anchors",
+    "block_targets",
+    "plan_epoch",
+    "steps_per_epoch",
+    "make_loader",
+]

@@ -1,0 +1,215 @@
+"""Everything a training run checks and resolves before it touches a GPU or writes a file.
+
+`preflight(cfg)` opens the store (index only), refuses a store that does not match the target or the
+drafter, picks the mask token, builds the drafter config and the loader spec.  The launcher calls it once
+in the parent so that user errors cost one message, not one traceback per process; every training
+process calls it again (it is cheap) to get the same `Setup`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.config import TrainConfig, to_dict
+from dflash.errors import ConfigError, StoreError
+from dflash.loader import LoaderSpec
+
+
+@dataclass
+class Setup:
+    cfg: TrainConfig
+    store: object  # dflash.store.Store
+    identity: dict
+    drafter_config: object  # dflash.model.DrafterConfig
+    spec: LoaderSpec
+    mask_token_id: int
+    mask_token_source: str
+
+    def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
+        from dflash.target_io import load_embed_and_head
+
+        embed, head = load_embed_and_head(self.cfg.target)
+        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
+        embed = embed.to(device, dtype)
+        head = embed if head is embed else head.to(device, dtype)
+        return embed.requires_grad_(False), head.requires_grad_(False)
+
+    def record(self, world: int) -> dict:
+        """RUN/config.json and each checkpoint's train_config.json."""
+        m = self.store.manifest
+        return {
+            "train": to_dict(self.cfg),
+            "drafter": self.drafter_config.to_hf_dict(),
+            "mask_token": {"id": self.mask_token_id, "source": self.mask_token_source},
+            "world_size": world,
+            "store": {
+                "path": str(Path(self.cfg.store).resolve()),
+                "samples": len(self.store),
+                **{k: m.get(k) for k in ("format_version", "target", "tokenizer_hash", "dataset_fingerprint",
+                                         "target_layer_ids", "hidden_dtype", "topk", "max_length")},
+            },
+        }
+
+
+def _check_options(cfg: TrainConfig) -> None:
+    for name in ("store", "target", "out"):
+        if not getattr(cfg, name):
+            raise ConfigError(f"`dflash train` needs --{name} (or `{name}:` in the train section of params.yaml).")
+    rules = [
+        (cfg.block_size >= 2, "--block-size must be at least 2"),
+        (cfg.num_layers >= 1, "--num-layers must be at least 1"),
+        (cfg.grad_accum >= 1, "--grad-accum must be at least 1"),
+        (cfg.num_workers >= 1, "--num-workers must be at least 1 (mask metadata is built in worker processes)"),
+        (cfg.rows_per_batch >= 1, "rows_per_batch must be at least 1"),
+        (cfg.num_anchors >= 1, "--num-anchors must be at least 1"),
+        (cfg.token_budget >= 1, "--token-budget must be positive"),
+        (cfg.block_budget is None or cfg.block_budget >= cfg.block_size, "block_budget must hold at least one block"),
+        (cfg.steps is None or cfg.steps >= 1, "--steps must be at least 1"),
+        (cfg.steps is not None or cfg.epochs > 0, "--epochs must be positive"),
+        (cfg.parallel in ("ddp", "fsdp"), "--parallel must be ddp or fsdp"),
+        (cfg.compile in ("auto", "on", "off"), "--compile must be auto, on or off"),
+        (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),
+        (cfg.warmup_steps >= 0 and 0 <= cfg.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1"),
+        (not (cfg.resume and cfg.overwrite), "--resume and --overwrite contradict each other; pick one"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message + ".")
+
+
+def _run_dir_in_use(out: Path) -> bool:
+    return out.exists() and (not out.is_dir() or any(out.iterdir()))
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; pass a directory for the run.")
+    if _run_dir_in_use(out) and not (cfg.resume or cfg.overwrite):
+        raise ConfigError(
+            f"run directory {out} already exists and is not empty; pass --resume to continue it, "
+            "--overwrite to delete it and start over, or another --out."
+        )
+
+
+def prepare_run_dir(cfg: TrainConfig) -> None:
+    """Rank 0, before any other process writes: apply --overwrite, create the directory, drop debris."""
+    from dflash.checkpoint import clean_partial
+
+    out = Path(cfg.out)
+    check_run_dir(cfg)
+    if cfg.overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    clean_partial(out)
+
+
+def truncate_metrics(path: Path, last_step: int) -> list[dict]:
+    """Keep the records of steps <= last_step (a killed run may have logged past its checkpoint)."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if rec.get("step", 0) <= last_step:
+            kept.append(rec)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) -> tuple[int, str]:
+    """(mask token id, how it was chosen).
+
+    In order: the configured id; the tokenizer's own mask token; the first embedding row past the
+    tokenizer (a padding row no text can produce, as z-lab uses for Qwen3); a reserved special token that
+    never occurs in the store.  Never an in-use word: with none of these, the user must choose.
+    """
+    if cfg_id is not None:
+        if not 0 <= cfg_id < vocab_rows:
+            raise ConfigError(f"--mask-token-id {cfg_id} is outside the target's embedding table (0..{vocab_rows - 1}).")
+        return int(cfg_id), "configured"
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(target)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types
+        raise ConfigError(f"cannot load the tokenizer of {target} to pick a mask token ({e}); pass --mask-token-id.") from None
+    if tok.mask_token_id is not None and tok.mask_token_id < vocab_rows:
+        return int(tok.mask_token_id), f"tokenizer mask token {tok.mask_token!r}"
+    if len(tok) < vocab_rows:
+        return len(tok), "first unused embedding row"
+    reserved = sorted(i for i, t in tok.added_tokens_decoder.items()
+                      if t.special and ("reserved" in t.content.lower() or "mask" in t.content.lower()) and i < vocab_rows)
+    if reserved:
+        used = _ids_in_store(store, set(reserved))
+        free = [i for i in reserved if i not in used]
+        if free:
+            return free[0], f"reserved special token {tok.convert_ids_to_tokens(free[0])!r} (absent from the store)"
+    raise ConfigError(
+        f"the target {target} has no spare token for the drafter's mask (no mask token, no unused embedding "
+        "row, no unused reserved special token); pass --mask-token-id with an id that never occurs in the data."
+    )
+
+
+def _ids_in_store(store, ids: set[int]) -> set[int]:
+    import numpy as np
+    from tqdm import tqdm
+
+    want = np.array(sorted(ids))
+    seen: set[int] = set()
+    for sid in tqdm(store.sample_ids(), desc="checking mask token candidates", unit="sample", leave=False):
+        x = store.read(sid, fields=["input_ids"])["input_ids"].numpy()
+        seen.update(int(v) for v in want[np.isin(want, x)])
+    return seen
+
+
+def preflight(cfg: TrainConfig) -> Setup:
+    from dflash.model import DrafterConfig
+    from dflash.store import compare_manifest, open_store
+    from dflash.target_io import target_config, target_identity, tokenizer_hash
+
+    _check_options(cfg)
+    check_run_dir(cfg)
+    identity = target_identity(cfg.target)
+    store = open_store(cfg.store)
+    compare_manifest(store.manifest, identity, tokenizer_hash(cfg.target), target_layer_ids=cfg.target_layers)
+    if len(store) == 0:
+        raise StoreError(f"store {cfg.store} has no committed samples; run or finish `dflash precompute` first.")
+    if cfg.kd_weight > 0 and not store.topk:
+        raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
+                          "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
+    vocab_rows = int(identity.get("vocab_size") or 0)
+    mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store)
+    dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
+                                     list(store.target_layer_ids), mask_id)
+    if dcfg.hidden_size * len(dcfg.target_layer_ids) != store.hidden_size * len(store.target_layer_ids):
+        raise StoreError(f"store {cfg.store} holds features of width {store.hidden_size} x "
+                         f"{len(store.target_layer_ids)} layers, but the drafter expects hidden size {dcfg.hidden_size}.")
+    spec = LoaderSpec(
+        block_size=cfg.block_size,
+        num_anchors=cfg.num_anchors,
+        token_budget=cfg.token_budget,
+        block_budget=cfg.block_budget or cfg.token_budget,
+        rows_per_batch=cfg.rows_per_batch,
+        mask_token_id=mask_id,
+        gamma=cfg.gamma,
+        seed=cfg.seed,
+        num_shapes=cfg.num_shapes,
+        kd=cfg.kd_weight > 0,
+    )
+    return Setup(cfg, store, identity, dcfg, spec, mask_id, source)
+
+
+__all__ = ["Setup", "preflight", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]

@@ -1,0 +1,342 @@
+"""One training process: distributed set-up, the drafter (DDP or FSDP2), the step loop, metrics, resume.
+
+`dflash.launch` starts one of these per device (or torchrun does).  Every process reads its own part of
+every epoch (dflash.loader); the loss of an optimizer step is normalised by the global sum of loss
+weights of that step (one all-reduce of a scalar before the backward passes), so W processes x A
+accumulation steps give the gradient of one batch of W*A micro-batches, whatever W and A are.
+
+Exact resume: model and optimizer state, the step, the data position (epoch, samples consumed) and the
+RNG states go into every checkpoint; the data plan is a function of (seed, epoch), anchors of
+(seed, epoch, sample id), so a resumed run sees the very batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash import checkpoint as ckpt
+from dflash import loader as L
+from dflash import masks
+from dflash.config import TrainConfig, to_dict
+from dflash.errors import ConfigError, StoreError
+from dflash.loss import block_loss, default_gamma
+from dflash.preflight import Setup, prepare_run_dir, preflight, truncate_metrics
+
+__all__ = ["preflight", "run_training", "lr_at"]
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step is 0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _init_distributed(device: str) -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        kw = {"device_id": torch.device(device)} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, **kw)
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: int):
+    """(module to call, the raw drafter, the DDP wrapper or None) with DDP / FSDP2 and compile applied."""
+    from dflash.model import DFlashDrafter
+
+    torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
+    raw = DFlashDrafter(setup.drafter_config).to(device)
+    ddp = None
+    if world > 1 and cfg.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in raw.layers:
+            fully_shard(layer)
+        fully_shard(raw)
+    elif world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
+        # Compiled in place (state_dict keys unchanged), in this main thread, once; shapes come from a
+        # short list (loader.shape_set) and each (S, Q) pair compiles once.
+        n_shapes = len(setup.spec.s_shapes) * len(setup.spec.q_shapes)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * n_shapes + 4)
+        raw.compile(dynamic=False)
+    return (ddp or raw), raw, ddp
+
+
+def _optimizer(raw, cfg: TrainConfig, device: torch.device):
+    decay = [p for p in raw.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in raw.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **kw)
+
+
+def _state_dicts(raw, optimizer, fsdp: bool):
+    """Full (unsharded) model and optimizer state; collective under FSDP2, so every rank calls it."""
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(raw, options=opts), get_optimizer_state_dict(raw, optimizer, options=opts)
+    return raw.state_dict(), optimizer.state_dict()
+
+
+def _load_state(raw, optimizer, model_state, optim_state, fsdp: bool):
+    if fsdp:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(raw, model_state, options=opts)
+        set_optimizer_state_dict(raw, optimizer, optim_state, options=opts)
+    else:
+        missing, unexpected = raw.load_state_dict(model_state, strict=False)
+        if unexpected or [k for k in missing if "rotary" not in k]:
+            raise ConfigError(f"checkpoint weights do not fit this drafter (missing {missing}, unexpected {unexpected}).")
+        optimizer.load_state_dict(optim_state)
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    nb = device.type == "cuda"
+    return {k: (v.to(device, non_blocking=nb) if isinstance(v, torch.Tensor) else
+                _to_device(v, device) if isinstance(v, dict) else v) for k, v in batch.items()}
+
+
+def _peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def _compile_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def run_training(cfg: TrainConfig, device: str = "cpu") -> dict | None:
+    """Train in this process (rank `RANK` of `WORLD_SIZE`, or alone); returns the final metrics."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    rank, world = _init_distributed(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        return _train(cfg, dev, rank, world)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dict | None:
+    setup = preflight(cfg)
+    run = Path(cfg.out)
+    fsdp = world > 1 and cfg.parallel == "fsdp"
+    resume_from = None
+    if rank == 0:
+        prepare_run_dir(cfg)
+    _barrier(world)
+    if cfg.resume:
+        resume_from = ckpt.latest_checkpoint(run)
+
+    model, raw, ddp = _build_model(setup, cfg, device, world)
+    optimizer = _optimizer(raw, cfg, device)
+    embed, head = setup.embed_and_head(device)
+    step, epoch, samples_done = 0, 0, 0
+    if resume_from is not None:
+        model_state, drafter_cfg, train_state, _ = ckpt.load_checkpoint(resume_from)
+        if drafter_cfg != setup.drafter_config.to_hf_dict():
+            raise ConfigError(
+                f"checkpoint {resume_from} was trained with a different drafter (block size, layers, target "
+                "layers or mask token); resume with the original options or start a new --out directory."
+            )
+        _load_state(raw, optimizer, model_state, train_state["optimizer"], fsdp)
+        step = int(train_state["step"])
+        epoch, samples_done = int(train_state["data"]["epoch"]), int(train_state["data"]["samples_consumed"])
+        torch.set_rng_state(train_state["rng"]["cpu"])
+        if device.type == "cuda" and "cuda" in train_state["rng"]:
+            torch.cuda.set_rng_state(train_state["rng"]["cuda"])
+        del model_state, train_state
+
+    dataset = L.PackedDataset(setup.store, setup.spec)
+    total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(dataset, world, cfg.grad_accum)))
+    start_batch = dataset.plan(epoch).batch_at_samples(samples_done)
+    sampler = L.RankSampler(dataset, rank, world, cfg.grad_accum, epoch, start_batch, max(0, total - step))
+    loader = L.make_loader(dataset, sampler, cfg.num_workers, pin_memory=device.type == "cuda")
+    step_plan = sampler.step_keys()
+
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
+    logger = _Logger(cfg, setup, rank, world, step, total) if rank == 0 else None
+    compiles0 = _compile_count()
+    it = iter(loader)
+    B = cfg.block_size
+    t_last = time.perf_counter()
+    tokens_total, time_total = 0, 0.0
+    final = None
+    while step < total:
+        t0 = time.perf_counter()
+        step_epoch, step_first, _ = next(step_plan)
+        micro = [_to_device(next(it), device) for _ in range(cfg.grad_accum)]
+        t_data = time.perf_counter() - t0
+        # The step's loss is the weighted mean over every label of every process's micro-batches.
+        denom = torch.stack([m["loss_weight"].sum() for m in micro]).sum().double()
+        if world > 1:
+            dist.all_reduce(denom)
+        lr = lr_at(step, cfg, total)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        stats = torch.zeros(8 + 2 * B, dtype=torch.float64, device=device)
+        for i, m in enumerate(micro):
+            last_micro = i == len(micro) - 1
+            # Gradients are exchanged once per optimizer step, after the last micro-batch.
+            sync = ddp.no_sync() if ddp is not None and not last_micro else nullcontext()
+            if fsdp:
+                raw.set_requires_gradient_sync(last_micro)
+            block_mask = masks.to_block_mask(m["mask"])
+            with sync:
+                with autocast:
+                    block_embeds = torch.nn.functional.embedding(m["block_input_ids"], embed)
+                    hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+                out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=B,
+                                 denom=float(denom) / world,  # DDP / FSDP average over processes
+                                 topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"),
+                                 kd_weight=cfg.kd_weight, kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk)
+                out.loss.backward()
+            stats += torch.cat([
+                torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
+                             out.tau_sum.double(), out.num_blocks.double()]),
+                torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]],
+                             dtype=torch.float64, device=device),
+                out.correct.double(), out.valid.double()])
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(stats)
+        step += 1
+        # Data position: everything up to the end of this step's micro-batches, in samples.
+        plan = dataset.plan(step_epoch)
+        end = step_first + world * cfg.grad_accum
+        epoch, samples_done = step_epoch, int(plan.samples_before[end])
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        s = stats.tolist()
+        ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
+        correct, valid = s[8 : 8 + B], s[8 + B :]
+        if step > 1 or total == 1:
+            tokens_total, time_total = tokens_total + ctx_tok, time_total + dt
+        rec = {
+            "step": step,
+            "epoch": step_epoch,
+            "loss": (ce_sum + cfg.kd_weight * kd_sum) / max(wsum, 1e-12),
+            "ce": ce_sum / max(wsum, 1e-12),
+            "kd": kd_sum / max(wsum, 1e-12),
+            "acc": [c / v if v else None for c, v in zip(correct, valid)][1:],
+            "tau": tau_sum / max(nblocks, 1),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "ctx_tokens_per_s": ctx_tok / dt,
+            "block_tokens_per_s": blk_tok / dt,
+            "samples": int(nsamp),
+            "data_wait_frac": t_data / dt,
+            "peak_mem_gb": _peak_mem_gb(device),
+            "recompiles": _compile_count() - compiles0,
+        }
+        if logger:
+            logger.log(rec)
+        last = step == total
+        if (cfg.save_every and step % cfg.save_every == 0) or last:
+            model_state, optim_state = _state_dicts(raw, optimizer, fsdp)
+            if rank == 0:
+                rng = {"cpu": torch.get_rng_state()}
+                if device.type == "cuda":
+                    rng["cuda"] = torch.cuda.get_rng_state(device)
+                train_state = {"optimizer": optim_state, "step": step, "world_size": world,
+                               "data": {"epoch": epoch, "samples_consumed": samples_done}, "rng": rng}
+                ckpt.save_checkpoint(run, step, model_state, setup.drafter_config.to_hf_dict(), train_state,
+                                     setup.record(world), keep=cfg.keep_checkpoints)
+            del model_state, optim_state
+            _barrier(world)
+    if logger:
+        final = logger.finish(tokens_total / time_total if time_total else 0.0)
+    del it, loader
+    return final
+
+
+class _Logger:
+    """Rank 0's outputs: metrics.jsonl, TensorBoard, the tqdm bar and the final metrics.json."""
+
+    def __init__(self, cfg: TrainConfig, setup: Setup, rank: int, world: int, start_step: int, total: int):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        self.run = Path(cfg.out)
+        self.records = truncate_metrics(self.run / "metrics.jsonl", start_step)
+        self.file = open(self.run / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
+        self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
+
+    def log(self, rec: dict) -> None:
+        self.records.append(rec)
+        self.file.write(json.dumps(rec) + "\n")
+        self.file.flush()
+        step = rec["step"]
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self.tb.add_scalar(f"train/{k}", v, step)
+        for k, a in enumerate(rec["acc"], start=1):
+            if a is not None:
+                self.tb.add_scalar(f"acc/pos{k:02d}", a, step)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}",
+                             tok_s=f"{rec['ctx_tokens_per_s']:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def finish(self, tokens_per_s: float) -> dict:
+        self.bar.close()
+        self.tb.close()
+        self.file.close()
+        last = self.records[-1] if self.records else {}
+        tail = self.records[-10:]
+        final = {
+            "steps": last.get("step", 0),
+            "loss": last.get("loss"),
+            "tau": last.get("tau"),
+            "loss_last10": sum(r["loss"] for r in tail) / max(1, len(tail)),
+            "tau_last10": sum(r["tau"] for r in tail) / max(1, len(tail)),
+            "acc": last.get("acc"),
+            "tokens_per_s": tokens_per_s,
+            "recompiles": last.get("recompiles"),
+        }
+        tmp = self.run / ".metrics.json.tmp"
+        tmp.write_text(json.dumps(final, indent=2))
+        os.replace(tmp, self.run / "metrics.json")
+        return final
