@@ -217,11 +217,15 @@ def make_conversations_jsonl(path, n: int, seed: int = 0, fmt: str = "messages",
 
 
 def build_store(out, target, data, **overrides) -> Path:
-    """Run `dflash precompute` in-process on CPU (fp32 compute) and return the store path."""
+    """Run `dflash precompute` in-process on CPU (fp32 compute) and return the store path.
+
+    Defaults: one shard, layers [1, 2], top-4, max_length 256; `overrides` are PrecomputeConfig fields.
+    """
     from dflash.config import PrecomputeConfig
     from dflash.precompute import run_precompute
 
     kw = dict(target=str(target), data=str(data), out=str(out), shards=1, gpus="cpu", max_length=256, topk=4)
+    kw["target_layers"] = [1, 2]  # fits the 4-layer default of make_tiny_target
     kw.update(overrides)
     run_precompute(PrecomputeConfig(**kw))
     return Path(out)

@@ -1,0 +1,429 @@
+"""Stage one: run the target over a dataset and write hidden states, top-k and loss masks to a store.
+
+    run_precompute(cfg)
+      1. validate every input (target, tokenizer + chat template, layer ids, dataset rows) before the
+         store exists, so that bad input leaves nothing behind;
+      2. create the manifest, or check that an existing store was made by the same inputs (resume);
+      3. run one shard per process: `--shards N` spawns N processes (one per GPU, or CPU), under torchrun
+         each global rank is a shard;
+      4. print and record a summary.
+
+Row i of the dataset belongs to shard i % num_shards and is stored as sample id i.  A shard renders its
+rows window by window, sorts each window by length and cuts it into right-padded batches under
+`token_budget`.  The batch plan is a pure function of the data and the config, and samples are appended
+in plan order, so the committed part of a shard is always a prefix of the plan: a rerun after `kill -9`
+recomputes the first unfinished batch exactly as it was (same rows, same padding, same bits) and
+appends only what was not committed, giving the store an uninterrupted run gives.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash.config import PrecomputeConfig, to_dict
+from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
+from dflash.errors import ConfigError, DataError, DFlashError, TargetError
+from dflash.store import ShardWriter, create_or_check_manifest, read_manifest, shard_name
+from dflash.target import Capture, check_layers, load_target, load_tokenizer, resolve_dtype
+from dflash.target_io import default_target_layers, target_identity, tokenizer_hash
+
+WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
+CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
+
+
+@dataclass
+class ShardJob:
+    cfg: PrecomputeConfig
+    shard: int
+    num_shards: int
+    device: str
+    layer_ids: list[int]
+    threads: int = 0  # CPU threads for this process (0 = leave torch's default)
+    parent_pid: int | None = None  # spawned shards exit when their launcher is gone
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _check_config(cfg: PrecomputeConfig, num_shards: int) -> None:
+    for name in ("target", "data", "out"):
+        if not getattr(cfg, name):
+            raise ConfigError(f"--{name} is required for `dflash precompute`.")
+    checks = [
+        (num_shards >= 1, "--shards must be at least 1"),
+        (cfg.max_length >= 2, "--max-length must be at least 2"),
+        (cfg.topk >= 0, "--topk must be 0 (off) or positive"),
+        (cfg.token_budget >= 1, "--token-budget must be positive"),
+        (cfg.lm_head_chunk >= 1, "lm_head_chunk must be positive"),
+        (cfg.hidden_dtype in ("bf16", "fp8"), f"--hidden-dtype must be bf16 or fp8, not {cfg.hidden_dtype!r}"),
+        (cfg.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, not {cfg.dtype!r}"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg + ".")
+
+
+def _check_weights(target_dir: Path) -> None:
+    """Read the safetensors headers (not the tensors) so a missing or truncated file fails before the store exists."""
+    from safetensors import safe_open
+
+    files = sorted(target_dir.glob("*.safetensors"))
+    if not files:
+        if any(target_dir.glob("*.bin")):
+            return  # transformers loads these itself (weights_only)
+        raise TargetError(f"target {target_dir} has no weights (*.safetensors); pass a complete checkpoint with --target.")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except Exception as e:
+            raise TargetError(f"target weights {f} cannot be read ({e}); re-download or re-save the checkpoint.") from None
+
+
+def _check_rows(cfg: PrecomputeConfig, ds, tokenizer) -> None:
+    """Every row has a known format; the first rows render; some row has something to supervise."""
+    has_assistant = 0
+    rendered = 0
+    supervised = False
+    for i, row in enumerate(ds):
+        msgs = conversation_of(row, i, cfg.data)
+        if any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+            has_assistant += 1
+            if rendered < CHECK_RENDER_ROWS or not supervised:
+                r = render(tokenizer, msgs, cfg.max_length, where=f"dataset {cfg.data}, row {i}")
+                supervised = supervised or any(r.loss_mask)
+                rendered += 1
+    if not has_assistant or not supervised:
+        raise DataError(
+            f"no sample of dataset {cfg.data} has a supervised token: "
+            + ("the data has no assistant turns" if not has_assistant else "the chat template renders no assistant tokens")
+            + f" (checked {len(ds)} rows). The drafter learns from assistant tokens only; give conversations "
+            "with assistant replies, or a target whose chat template renders them."
+        )
+
+
+def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int]]:
+    """Validate everything and return (manifest, layer ids) without touching the store."""
+    _check_config(cfg, num_shards)
+    identity = target_identity(cfg.target)
+    _check_weights(Path(cfg.target))
+    tok_hash = tokenizer_hash(cfg.target)
+    tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+    n_layers = int(identity["num_hidden_layers"] or 0)
+    if cfg.target_layers:
+        layer_ids = list(cfg.target_layers)
+    else:  # a shallow target has fewer distinct evenly spaced layers than the drafter has layers
+        layer_ids = sorted(set(default_target_layers(n_layers, cfg.num_draft_layers)))
+    check_layers(layer_ids, n_layers, cfg.target)
+    ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
+    _check_rows(cfg, ds, tokenizer)
+    manifest = {
+        "target": identity,
+        "tokenizer_hash": tok_hash,
+        "dataset_fingerprint": dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples),
+        "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "max_samples": cfg.max_samples, "num_rows": len(ds)},
+        "target_layer_ids": layer_ids,
+        "hidden_dtype": cfg.hidden_dtype,
+        "topk": cfg.topk,
+        "max_length": cfg.max_length,
+        "num_shards": num_shards,
+        "precompute_config": to_dict(cfg),
+    }
+    return manifest, layer_ids
+
+
+# ---------------------------------------------------------------------------------------------- one shard
+
+
+def plan_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices into `lengths`, longest first (ties by position), cut so rows x padded length <= budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _lock_shard(store: Path, shard: int):
+    """One writer per shard: an orphan of a killed launcher still finishing a batch makes a rerun wait."""
+    d = store / shard_name(shard)
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def run_shard(job: ShardJob) -> dict:
+    """Write one shard; returns its stats.  Resumes a partly written shard, skips a complete one."""
+    cfg, shard = job.cfg, job.shard
+    t0 = time.time()
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+    ds = load_rows(cfg.data, cfg.split, cfg.max_samples, check=False)
+    rows = list(range(shard, len(ds), job.num_shards))
+    lock = _lock_shard(Path(cfg.out), shard)
+    try:
+        from dflash.store.manifest import shard_status
+
+        if shard_status(cfg.out, shard).get("status") == "complete":
+            return shard_status(cfg.out, shard)
+        model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
+        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk)
+        hidden_size = model.config.get_text_config().hidden_size
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
+        stats = {"rows": len(rows), "skipped": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
+        writer = ShardWriter(
+            cfg.out,
+            shard,
+            hidden_width=len(job.layer_ids) * hidden_size,
+            num_layers=len(job.layer_ids),
+            hidden_dtype=cfg.hidden_dtype,
+            topk=cfg.topk,
+            commit_every_tokens=cfg.commit_every_tokens,
+            chunk_tokens=cfg.store_chunk_tokens,
+        )
+        with writer:
+            done = writer.committed_sample_ids()
+            bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
+            for w0 in range(0, len(rows), WINDOW):
+                window = rows[w0 : w0 + WINDOW]
+                samples = []
+                for r in window:
+                    rd = render(tokenizer, conversation_of(ds[r], r, cfg.data), cfg.max_length, where=f"dataset {cfg.data}, row {r}")
+                    if not any(rd.loss_mask):
+                        stats["skipped"] += 1
+                        continue
+                    stats["truncated"] += rd.truncated
+                    samples.append((r, rd))
+                bar.update(len(window) - len(samples))
+                for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
+                    members = [samples[i] for i in batch]
+                    todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if r not in done]
+                    if todo:
+                        _write_batch(writer, capture, members, todo, device, pad_id, cfg.hidden_dtype)
+                        stats["new_samples"] += len(todo)
+                        stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
+                        if slow:
+                            time.sleep(slow)
+                    bar.update(len(members))
+                    elapsed = max(time.time() - t0, 1e-9)
+                    bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
+                    if job.parent_pid is not None and os.getppid() != job.parent_pid:
+                        os._exit(1)  # the launcher was killed: stop at a batch boundary, a rerun resumes
+            bar.close()
+            stats["wall_s"] = round(time.time() - t0, 3)
+            stats["device"] = str(device)
+            writer.finalize(stats)
+        from dflash.store.manifest import shard_status
+
+        return shard_status(cfg.out, shard)
+    finally:
+        lock.close()
+
+
+def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:
+    lengths = [len(rd.input_ids) for _, rd in members]
+    ids = torch.full((len(members), max(lengths)), pad_id, dtype=torch.long)
+    for b, (_, rd) in enumerate(members):
+        ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
+    out = capture(ids.to(device), torch.tensor(lengths, device=device))
+    hidden = out["hidden"]
+    if hidden_dtype == "bf16":
+        hidden = hidden.to(torch.bfloat16).cpu()  # one transfer per batch; fp8 is quantised on the device
+    topk_ids = out["topk_ids"].cpu() if "topk_ids" in out else None
+    topk_lp = out["topk_logprobs"].cpu() if "topk_logprobs" in out else None
+    for b, r, rd in todo:
+        n = lengths[b]
+        writer.append(
+            sample_id=r,
+            source_row=r,
+            input_ids=rd.input_ids,
+            loss_mask=rd.loss_mask,
+            hidden=hidden[b, :n],
+            topk_ids=topk_ids[b, :n] if topk_ids is not None else None,
+            topk_logprobs=topk_lp[b, :n] if topk_lp is not None else None,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- launching
+
+
+def _torchrun_world() -> tuple[int, int, int] | None:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    return None
+
+
+def _devices(gpus: str, n: int, local_offset: int | None = None) -> list[str]:
+    """The device of each of `n` shards (or of this rank's shard when `local_offset` is given)."""
+    spec = (gpus or "auto").strip().lower()
+    if spec == "cpu" or not torch.cuda.is_available():
+        return ["cpu"] * n
+    if spec == "auto":
+        ids = list(range(torch.cuda.device_count()))
+    else:
+        try:
+            ids = [int(g) for g in spec.split(",") if g.strip()]
+        except ValueError:
+            raise ConfigError(f"--gpus {gpus!r}: give GPU indices like 0,1,2, or cpu, or auto.") from None
+    if local_offset is not None:
+        return [f"cuda:{ids[local_offset % len(ids)]}"]
+    if len(ids) < n:
+        raise ConfigError(f"--shards {n} needs {n} GPUs but --gpus gives {len(ids)} ({gpus}); one process per GPU.")
+    return [f"cuda:{i}" for i in ids[:n]]
+
+
+def _shard_entry(job: ShardJob, queue) -> None:
+    """Body of a spawned shard process: report stats or the error to the launcher."""
+    try:
+        queue.put(("ok", job.shard, run_shard(job)))
+    except DFlashError as e:
+        queue.put(("user", job.shard, str(e)))
+        sys.exit(1)
+    except BaseException:
+        queue.put(("bug", job.shard, traceback.format_exc()))
+        sys.exit(1)
+
+
+def _spawn(jobs: list[ShardJob]) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_shard_entry, args=(job, queue), daemon=False) for job in jobs]
+    for p in procs:
+        p.start()
+    finished: set[int] = set()
+    failure = None
+    try:
+        while len(finished) < len(jobs) and failure is None:
+            while not queue.empty():
+                kind, shard, payload = queue.get()
+                finished.add(shard)
+                if kind != "ok":
+                    failure = (kind, shard, payload)
+            for job, p in zip(jobs, procs):
+                if job.shard not in finished and p.exitcode is not None and queue.empty():
+                    failure = failure or ("died", job.shard, f"exit code {p.exitcode}")
+                    finished.add(job.shard)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive() and (failure is not None or sys.exc_info()[0] is not None):
+                p.terminate()
+            p.join()
+    if failure is None:
+        return
+    kind, shard, payload = failure
+    if kind == "user":
+        raise DFlashError(f"shard {shard} failed: {payload}")
+    if kind == "died":
+        raise DFlashError(
+            f"shard {shard} process died ({payload}; out of memory?) and the run stopped. What it committed "
+            "is kept: rerun the same command to continue."
+        )
+    raise RuntimeError(f"shard {shard} failed with an unexpected error:\n{payload}")
+
+
+def _rank0_first(fn, world):
+    """Under torchrun: rank 0 runs `fn` (manifest creation) and the others learn its outcome."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [("ok", fn())]
+        except DFlashError as e:
+            outcome = [("error", str(e))]
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise DFlashError(value)
+    return value
+
+
+def summarize(store: str | Path, wall_s: float | None = None) -> dict:
+    """Totals over the shards' recorded stats, plus bytes per stored token."""
+    m = read_manifest(store)
+    tot = {k: 0 for k in ("num_samples", "num_tokens", "num_supervised", "skipped", "truncated", "rows")}
+    for st in m["shards"].values():
+        for k in tot:
+            tot[k] += int(st.get(k) or 0)
+    size = sum(f.stat().st_size for f in Path(store).rglob("*") if f.is_file())
+    tot["bytes_per_token"] = round(size / tot["num_tokens"], 1) if tot["num_tokens"] else 0.0
+    tot["wall_s"] = round(wall_s, 2) if wall_s is not None else max((st.get("wall_s") or 0) for st in m["shards"].values())
+    return tot
+
+
+def _print_summary(store, tot: dict, max_length: int) -> None:
+    print(
+        f"precompute: {store}: {tot['num_samples']} samples, {tot['num_tokens']} tokens "
+        f"({tot['num_supervised']} supervised); skipped {tot['skipped']} without supervised tokens, "
+        f"truncated {tot['truncated']} to {max_length} tokens; {tot['bytes_per_token']:.0f} bytes/token; "
+        f"{tot['wall_s']:.1f}s",
+        flush=True,
+    )
+
+
+def run_precompute(cfg: PrecomputeConfig) -> dict:
+    """Validate, create or resume the store, run every shard, and return the summary."""
+    t0 = time.time()
+    world = _torchrun_world()
+    num_shards = world[1] if world else cfg.shards
+    manifest, layer_ids = prepare(cfg, num_shards)
+    out = Path(cfg.out)
+
+    def create() -> bool:
+        """Create or check the manifest; True when every shard is already complete."""
+        create_or_check_manifest(out, manifest, overwrite=cfg.overwrite)
+        return all(st.get("status") == "complete" for st in read_manifest(out)["shards"].values())
+
+    if world:
+        rank, world_size, local_rank = world
+        complete = _rank0_first(create, world)
+        if not complete:
+            device = _devices(cfg.gpus, 1, local_offset=local_rank)[0]
+            run_shard(ShardJob(cfg, rank, world_size, device, layer_ids))
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank != 0:
+            return {}
+    else:
+        complete = create()
+        if not complete:
+            devices = _devices(cfg.gpus, num_shards)
+            if devices[0] == "cpu":
+                print(f"precompute: running {num_shards} shard(s) on CPU (no GPU requested or available).", flush=True)
+            if num_shards == 1:
+                run_shard(ShardJob(cfg, 0, 1, devices[0], layer_ids))
+            else:
+                threads = max(1, (os.cpu_count() or 1) // num_shards) if devices[0] == "cpu" else 0
+                _spawn([ShardJob(cfg, i, num_shards, devices[i], layer_ids, threads, os.getpid()) for i in range(num_shards)])
+    tot = summarize(out, None if complete else time.time() - t0)
+    if complete:
+        print(f"precompute: store {out} is already complete ({tot['num_samples']} samples); nothing to do.", flush=True)
+    else:
+        _print_summary(out, tot, cfg.max_length)
+    return tot
