@@ -1,0 +1,171 @@
+"""The loader: anchors and labels per DESIGN section 3, packing under budgets, rank splits, resume points."""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash import loader as L
+from dflash import masks
+from dflash.loss import IGNORE, position_weights
+
+
+def _mask(T, seed):
+    rng = np.random.default_rng(seed)
+    m = np.zeros(T, dtype=bool)
+    m[T // 3 :] = True
+    m[rng.choice(T, size=T // 6, replace=False)] = False  # holes: not every supervised token is an anchor
+    return m
+
+
+def test_anchors_follow_design():
+    T = 200
+    for seed in range(5):
+        lm = _mask(T, seed)
+        a = L.draw_anchors(lm, 16, seed=3, epoch=0, sample_id=seed)
+        assert 0 < len(a) <= 16
+        assert np.all(np.diff(a) > 0)  # sorted and distinct
+        assert np.all(a + 1 < T) and lm[a].all() and lm[a + 1].all()
+        assert np.array_equal(a, L.draw_anchors(lm, 16, seed=3, epoch=0, sample_id=seed))  # seeded
+        assert not np.array_equal(a, L.draw_anchors(lm, 16, seed=3, epoch=1, sample_id=seed))  # per epoch
+        assert not np.array_equal(a, L.draw_anchors(lm, 16, seed=4, epoch=0, sample_id=seed))  # per seed
+    # few eligible positions: all of them; the last token can never be an anchor
+    lm = np.array([0, 1, 1, 0, 1, 1, 1], dtype=bool)
+    assert L.draw_anchors(lm, 16, 0, 0, 0).tolist() == [1, 4, 5]
+
+
+def test_block_labels_and_weights():
+    ids = np.arange(100, 110)
+    lm = np.array([0, 0, 1, 1, 1, 0, 1, 1, 1, 1], dtype=bool)
+    B = 4
+    w = position_weights(B, gamma=2.0).numpy()
+    t = L.block_targets(ids, lm, np.array([2, 7]), B, mask_token_id=999, weights=w)
+    assert t["input_ids"].tolist() == [102, 999, 999, 999, 107, 999, 999, 999]
+    assert t["positions"].tolist() == [2, 3, 4, 5, 7, 8, 9, 10]
+    # position 5 is unsupervised, position 10 is past the sample: ignored with weight 0
+    assert t["labels"].tolist() == [IGNORE, 103, 104, IGNORE, IGNORE, 108, 109, IGNORE]
+    assert np.allclose(t["weights"], [0, 1, np.exp(-0.5), 0, 0, 1, np.exp(-0.5), 0])
+    assert t["source"][1] == 2  # the target's distribution for token 3 sits at position 2
+
+
+def _spec(**kw):
+    base = dict(block_size=4, num_anchors=8, token_budget=256, block_budget=256, rows_per_batch=2,
+                mask_token_id=0, seed=0)
+    base.update(kw)
+    return L.LoaderSpec(**base)
+
+
+def test_shapes():
+    assert L.shape_set(4096, 3) == [1024, 2048, 4096]
+    assert L.shape_set(300, 3) == [128, 256, 384]
+    assert L.fit_shape(129, [128, 256]) == 256
+
+
+def test_plan_packs_under_budget_and_is_deterministic():
+    rng = np.random.default_rng(0)
+    n = 500
+    lengths = rng.integers(5, 100, n)
+    lengths[:5] = 1000  # longer than the row budget: cut to it
+    max_blocks = np.minimum(rng.integers(0, 20, n), 8)
+    spec = _spec()
+    plan = L.plan_epoch(lengths, max_blocks, spec, epoch=0)
+    S, Qb = spec.s_shapes[-1], spec.q_shapes[-1]
+    seen = []
+    for batch in plan.batches:
+        assert 1 <= len(batch) <= spec.rows_per_batch
+        for row in batch:
+            assert np.minimum(lengths[row], S).sum() <= S
+            assert (max_blocks[row] * spec.block_size).sum() <= Qb
+            seen += row.tolist()
+    # every sample with something to learn appears exactly once per epoch; the rest never
+    assert sorted(seen) == np.flatnonzero(max_blocks > 0).tolist()
+    # packing puts several samples in a row
+    assert np.mean([len(r) for b in plan.batches for r in b]) > 2
+    again = L.plan_epoch(lengths, max_blocks, spec, epoch=0)
+    assert all(all(np.array_equal(x, y) for x, y in zip(a, b)) for a, b in zip(plan.batches, again.batches))
+    other = L.plan_epoch(lengths, max_blocks, spec, epoch=1)
+    assert [r.tolist() for b in other.batches for r in b] != [r.tolist() for b in plan.batches for r in b]
+    # resume points are prefix boundaries in samples
+    g = len(plan) // 2
+    assert plan.batch_at_samples(int(plan.samples_before[g])) == g
+    assert plan.samples_before[g + 1] - plan.samples_before[g] > 1
+    with pytest.raises(Exception, match="not a micro-batch boundary"):
+        plan.batch_at_samples(int(plan.samples_before[g]) + 1)
+
+
+class _FakePlans:
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def plan(self, epoch):
+        return list(range(self.sizes[epoch % len(self.sizes)]))
+
+
+def test_ranks_disjoint_and_covering():
+    ds = _FakePlans([23, 17])
+    W, A, steps = 3, 2, 5
+    per_rank = [list(L.RankSampler(ds, r, W, A, 0, 0, steps)) for r in range(W)]
+    everything = [k for keys in per_rank for k in keys]
+    assert len(everything) == len(set(everything)) == W * A * steps
+    # epoch 0: 23 micro-batches -> 3 steps of 6 (the 5 left over are skipped), then epoch 1
+    assert {g for e, g in everything if e == 0} == set(range(18))
+    assert {g for e, g in everything if e == 1} == set(range(12))
+    # one process with W*A accumulation steps sees the same micro-batches per step
+    single = list(L.RankSampler(ds, 0, 1, W * A, 0, 0, steps))
+    assert sorted(single) == sorted(everything)
+    # a resume point mid-epoch continues from there on any world size
+    resumed = list(L.RankSampler(ds, 0, 1, 2, 0, 12, 1))
+    assert resumed == [(0, 12), (0, 13)]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    from train_fixtures import build_counting_store
+
+    target, store = build_counting_store(tmp_path_factory.mktemp("loader"), n=24)
+    from dflash.store import open_store
+
+    return open_store(store)
+
+
+def test_batches_from_a_real_store(store):
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4, kd=True, mask_token_id=7)
+    ds = L.PackedDataset(store, spec)
+    plan = ds.plan(0)
+    assert len(plan) >= 2
+    b = ds[(0, 0)]
+    R, S = b["ctx_positions"].shape
+    Q = b["labels"].shape[1]
+    assert S in spec.s_shapes and Q in spec.q_shapes and R == spec.rows_per_batch
+    assert b["ctx_hidden"].dtype == torch.bfloat16 and b["ctx_hidden"].shape[-1] == store.hidden_size * 2
+    # labels are the sample's own tokens at anchor + k, and the first block token is the anchor's token
+    sid = int(b["sample_ids"][0])
+    d = store.read(sid)
+    row0 = b["labels"][0]
+    anchors = b["block_positions"][0, :: spec.block_size]
+    a0 = int(anchors[0])
+    assert int(b["block_input_ids"][0, 0]) == int(d["input_ids"][a0])
+    assert (b["block_input_ids"][0, 1 : spec.block_size] == 7).all()
+    for k in range(1, spec.block_size):
+        if int(row0[k]) != IGNORE:
+            assert int(row0[k]) == int(d["input_ids"][a0 + k]) and bool(d["loss_mask"][a0 + k])
+            # KD targets: the target's top-k at the previous position
+            assert torch.equal(b["topk_ids"][0, k], d["topk_ids"][a0 + k - 1])
+    # mask metadata: what flex would apply equals the rule on the descriptors
+    bm = masks.to_block_mask(b["mask"])
+    assert torch.equal(masks.block_mask_to_dense(bm)[:, 0], masks.dense_mask(b["mask"]))
+    # context of the first sample sits at the start of row 0 with positions 0..T-1
+    T = min(len(d["input_ids"]), S)
+    assert b["ctx_positions"][0, :T].tolist() == list(range(T))
+    assert torch.equal(b["ctx_hidden"][0, :T], d["hidden"][:T])
+
+
+def test_workers_build_batches(store):
+    """Through a real DataLoader with a worker process: same batches as built in-process."""
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
+    ds = L.PackedDataset(store, spec)
+    sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
+    got = list(L.make_loader(ds, sampler, num_workers=1))
+    assert [(x["epoch"], x["index"]) for x in got] == [(0, 0), (0, 1)]
+    for x in got:
+        ref = ds[(x["epoch"], x["index"])]
+        assert torch.equal(x["labels"], ref["labels"]) and torch.equal(x["mask"]["kv_indices"], ref["mask"]["kv_indices"])
