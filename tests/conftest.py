@@ -1,0 +1,25 @@
+"""Shared fixtures.  Builders live in helpers.py (importable from any test); fixtures here wrap them."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import build_store, make_conversations_jsonl, make_tiny_target
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A 4-layer, hidden-64 random-init Qwen3 target directory with a Qwen3-like chat template."""
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_target"), arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tmp_path_factory, tiny_target):
+    """(target dir, data jsonl, store dir): 24 conversations precomputed on CPU, layers [1, 2], top-4.
+
+    Session-scoped and shared: treat it as read-only.
+    """
+    d = tmp_path_factory.mktemp("tiny_store")
+    data = make_conversations_jsonl(d / "chats.jsonl", 24)
+    store = build_store(d / "store", tiny_target, data)
+    return tiny_target, data, store

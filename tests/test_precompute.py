@@ -1,0 +1,301 @@
+"""Stage one end to end: stored data equals a direct forward, sharding, kill -9 + resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import main
+from dflash.config import PrecomputeConfig
+from dflash.data import conversation_of, load_rows, render
+from dflash.errors import StoreError
+from dflash.precompute import plan_batches, run_precompute
+from dflash.store import open_store, verify_store
+from dflash.target import load_target, load_tokenizer
+from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
+
+DFLASH = str(Path(sys.executable).with_name("dflash"))
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("targets")
+    return {arch: make_tiny_target(d, arch=arch) for arch in ("qwen3", "llama")}
+
+
+def store_arrays(store) -> dict[int, dict[str, np.ndarray]]:
+    s = open_store(store)
+    out = {}
+    for sid in s.sample_ids():
+        r = s.read(sid)
+        out[sid] = {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in r.items()}
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_store_equals_direct_forward(tmp_path, targets, arch):
+    target = targets[arch]
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 10, seed=5)
+    # a small token budget makes batches of several padded rows
+    store = build_store(tmp_path / "s", target, data, target_layers=[0, 2, 3], topk=5, token_budget=300)
+    assert verify_store(store).ok
+    s = open_store(store)
+    assert s.manifest["target_layer_ids"] == [0, 2, 3] and s.topk == 5
+    assert s.sample_ids() == list(range(10))
+    tok = load_tokenizer(target)
+    model = load_target(target, torch.float32, torch.device("cpu"))
+    ds = load_rows(data)
+    for sid in s.sample_ids():
+        got = s.read(sid)
+        want = render(tok, conversation_of(ds[sid], sid, data), 256)
+        assert got["input_ids"].tolist() == want.input_ids
+        assert got["loss_mask"].tolist() == [bool(m) for m in want.loss_mask]
+        with torch.no_grad():
+            ref = model(torch.tensor([want.input_ids]), output_hidden_states=True, use_cache=False)
+        h = torch.cat([ref.hidden_states[i + 1][0] for i in (0, 2, 3)], dim=-1)
+        assert got["hidden"].dtype == torch.bfloat16
+        # fp32 compute, stored as bf16: equal up to bf16 rounding (batched vs single forward may differ
+        # in the last fp32 bits, which can move a value across a bf16 rounding boundary)
+        torch.testing.assert_close(got["hidden"].float(), h, rtol=2**-7, atol=1e-6)
+        assert (got["hidden"] == h.to(torch.bfloat16)).float().mean() > 0.99
+        lp, ix = torch.log_softmax(ref.logits[0].float(), dim=-1).topk(5, dim=-1)
+        assert torch.equal(got["topk_ids"], ix)
+        torch.testing.assert_close(got["topk_logprobs"], lp, rtol=0, atol=1e-5)
+
+
+def test_truncation_and_skips_are_counted(tmp_path, targets, capsys):
+    rows = make_conversations(12, seed=2, min_words=20, max_words=40)
+    rows[3] = {"messages": [{"role": "user", "content": "no reply here"}]}
+    rows[7] = {"messages": [{"role": "system", "content": "a " * 200}, {"role": "user", "content": "x"},
+                            {"role": "assistant", "content": "cut off"}]}  # the reply lies past max_length
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = load_tokenizer(targets["qwen3"])
+    max_length = 90
+    cut = [render(tok, conversation_of(r, i, data), max_length) for i, r in enumerate(rows)]
+    kept = [i for i, r in enumerate(cut) if any(r.loss_mask)]
+    n_skip, n_trunc = len(rows) - len(kept), sum(cut[i].truncated for i in kept)
+    assert 3 not in kept and 7 not in kept and n_trunc >= 2 and len(kept) >= 6
+    tot = run_precompute(PrecomputeConfig(target=str(targets["qwen3"]), data=str(data), out=str(tmp_path / "s"),
+                                          gpus="cpu", max_length=max_length, target_layers=[1], topk=0))
+    assert (tot["skipped"], tot["truncated"], tot["num_samples"]) == (n_skip, n_trunc, len(kept))
+    assert f"skipped {n_skip} without supervised tokens, truncated {n_trunc}" in capsys.readouterr().out
+    s = open_store(tmp_path / "s")
+    assert s.sample_ids() == kept
+    assert s.lengths().max() == max_length and s.topk == 0
+    shard = s.manifest["shards"]["shard-00000"]
+    assert shard["skipped"] == n_skip and shard["truncated"] == n_trunc
+    assert verify_store(tmp_path / "s").ok
+
+
+def test_plan_batches_respects_budget():
+    lengths = [5, 40, 7, 40, 12, 3, 90]
+    batches = plan_batches(lengths, 80)
+    assert sorted(i for b in batches for i in b) == list(range(7))
+    assert batches[0] == [6]  # longest first, alone when it does not fit with another
+    assert all(len(b) * max(lengths[i] for i in b) <= 80 or len(b) == 1 for b in batches)
+    assert batches == plan_batches(lengths, 80)
+
+
+def test_two_shards_hold_every_sample_once(tmp_path, targets, capsys):
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=7)
+    store = build_store(tmp_path / "s", targets["llama"], data, shards=2, topk=2)
+    assert "running 2 shard(s) on CPU" in capsys.readouterr().out
+    s = open_store(store)
+    assert s.sample_ids() == list(range(14))
+    from dflash.store.layout import load_committed
+
+    for k in range(2):
+        idx = load_committed(store / f"shard-0000{k}", s.specs).index
+        assert sorted(idx.column("sample_id").to_pylist()) == list(range(k, 14, 2))
+    assert verify_store(store).ok
+
+
+# ---------------------------------------------------------------------------------------------- kill -9
+
+
+def _segments(store: Path) -> int:
+    d = store / "shard-00000" / "index"
+    return len(list(d.glob("seg-*.arrow"))) if d.is_dir() else 0
+
+
+def _run_cli(args, env=None, kill_when=None, timeout=120):
+    """Run `dflash precompute ARGS`; with `kill_when`, SIGKILL it as soon as kill_when() is true."""
+    p = subprocess.Popen([DFLASH, "precompute", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, **(env or {})})
+    if kill_when is None:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out.decode(), err.decode()
+    t0 = time.time()
+    while not kill_when():
+        assert p.poll() is None, f"precompute ended before the kill point: {p.communicate()[1].decode()[-2000:]}"
+        assert time.time() - t0 < timeout
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    p.stdout.close()
+    p.stderr.close()
+    return p.returncode, "", ""
+
+
+@pytest.mark.slow
+def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, targets):
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 30, seed=11)
+    opts = dict(target_layers=[1, 3], topk=3, token_budget=256, commit_every_tokens=200, store_chunk_tokens=16)
+    ref = build_store(tmp_path / "ref", targets["qwen3"], data, **opts)
+    ref_arrays = store_arrays(ref)
+    expected_commits = open_store(ref).num_tokens // 200
+
+    store = tmp_path / "s"
+    params = tmp_path / "params.yaml"
+    params.write_text("precompute:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in opts.items()))
+    args = ["--config", str(params), "--target", str(targets["qwen3"]), "--data", str(data), "--out", str(store),
+            "--gpus", "cpu", "--max-length", "256"]
+    slow = {"DFLASH_TEST_SLOW_WRITES": "0.15"}
+    points = [
+        lambda: (store / "manifest.json").is_file(),  # right after validation: nothing committed yet
+        lambda: _segments(store) >= 3,  # mid-way
+        lambda: _segments(store) >= expected_commits - 2,  # near the end
+    ]
+    seen = []
+    for when in points:
+        rc, _, _ = _run_cli(args, env=slow, kill_when=when)
+        assert rc == -signal.SIGKILL
+        seen.append(_segments(store))
+        assert (store / "manifest.json").is_file() and not verify_store(store).ok  # interrupted: never verifies
+    assert seen[1] >= 3 and seen[2] > seen[1]
+    rc, out, err = _run_cli(args)
+    assert rc == 0, err
+    assert "30 samples" in out
+    assert store_arrays(store) == _Same(ref_arrays)
+    res = subprocess.run([DFLASH, "verify", str(store)], capture_output=True, text=True)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr
+    rc, out, _ = _run_cli(args)
+    assert rc == 0 and "already complete" in out
+
+
+class _Same:
+    """Compares {sample_id: {field: array}} byte for byte, naming the first difference."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    def __eq__(self, got):
+        assert sorted(got) == sorted(self.ref), "sample ids differ"
+        for sid, fields in self.ref.items():
+            for k, a in fields.items():
+                b = got[sid][k]
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"sample {sid} {k} differs"
+        return True
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def _cli(*args):
+    res = CliRunner().invoke(main, ["precompute", *map(str, args)])
+    assert isinstance(res.exception, SystemExit) and res.exit_code != 0, res.output
+    assert "Traceback" not in res.output
+    return res.output.replace("\n", " ")
+
+
+def _no_valid_store(store: Path):
+    if store.exists():
+        try:
+            assert not verify_store(store).ok
+        except StoreError:
+            pass
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory, targets):
+    d = tmp_path_factory.mktemp("bad")
+    good = make_conversations_jsonl(d / "good.jsonl", 4)
+    no_tmpl = make_tiny_target(d, arch="llama", chat_template=False, name="notmpl", hidden_size=32, num_layers=2)
+    broken = make_tiny_target(d, arch="qwen3", name="broken", hidden_size=32, num_layers=2)
+    w = broken / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:100])
+    return d, good, no_tmpl, broken
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("missing_target", r"nowhere"),
+        ("broken_weights", r"broken/model.safetensors cannot be read"),
+        ("layer_range", r"target layer id\(s\) 9 out of range"),
+        ("missing_data", r"nope.jsonl does not exist"),
+        ("empty_data", r"empty.jsonl is empty"),
+        ("bad_line", r"line 3: not valid JSON"),
+        ("unknown_format", r"row 1: unknown conversation format \(fields found: answer, question\)"),
+        ("no_template", r"has no chat template"),
+        ("no_assistant", r"no assistant turns"),
+    ],
+)
+def test_bad_input_fails_cleanly(bad, targets, case, expect):
+    import re
+
+    d, good, no_tmpl, broken = bad
+    target, data = targets["qwen3"], good
+    layers = "1,2"
+    rows = make_conversations(3)
+    if case == "missing_target":
+        target = d / "nowhere"
+    elif case == "broken_weights":
+        target = broken
+        layers = "0"
+    elif case == "layer_range":
+        layers = "1,9"
+    elif case == "missing_data":
+        data = d / "nope.jsonl"
+    elif case == "empty_data":
+        data = d / "empty.jsonl"
+        data.write_text("")
+    elif case == "bad_line":
+        data = _write(d / "badline.jsonl", [rows[0], rows[1], '{"messages": [', rows[2]])
+    elif case == "unknown_format":
+        data = _write(d / "unknown.jsonl", [rows[0], {"question": "q", "answer": "a"}])
+    elif case == "no_template":
+        target, layers = no_tmpl, "0"
+    elif case == "no_assistant":
+        data = _write(d / "noasst.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    store = d / f"store-{case}"
+    out = _cli("--target", target, "--data", data, "--out", store, "--gpus", "cpu", "--target-layers", layers)
+    assert out.startswith("error: ")
+    assert re.search(expect, out), out
+    assert not store.exists(), "bad input must leave nothing behind"
+    _no_valid_store(store)
+
+
+def test_rerun_with_other_inputs_is_refused(tmp_path, targets):
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 6)
+    store = build_store(tmp_path / "s", targets["qwen3"], data)
+    base = ["--data", data, "--out", store, "--gpus", "cpu", "--max-length", "256", "--topk", "4"]
+    out = _cli("--target", targets["llama"], *base, "--target-layers", "1,2")
+    assert "target config hash" in out and "--overwrite" in out
+    out = _cli("--target", targets["qwen3"], *base, "--target-layers", "1,3")
+    assert "target_layer_ids: store has [1, 2], this run has [1, 3]" in out
+    other = make_conversations_jsonl(tmp_path / "other.jsonl", 6, seed=4)
+    out = _cli("--target", targets["qwen3"], *base, "--target-layers", "1,2", "--data", other)
+    assert "dataset fingerprint" in out
+    assert verify_store(store).ok  # a refused rerun leaves the store as it was
+    res = CliRunner().invoke(main, ["precompute", "--target", str(targets["llama"]), *map(str, base),
+                                    "--target-layers", "0,1", "--overwrite"])
+    assert res.exit_code == 0, res.output
+    s = open_store(store)
+    assert s.manifest["target_layer_ids"] == [0, 1] and s.manifest["target"]["model_type"] == "llama"
