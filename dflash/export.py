@@ -1,0 +1,231 @@
+"""`dflash export`: a training checkpoint as a DFlashDraftModel directory (the format vLLM and SGLang load).
+
+    OUT/config.json         Qwen3 fields + architectures ["DFlashDraftModel"], block_size, num_target_layers,
+                            dflash_config {mask_token_id, target_layer_ids}   (DrafterConfig.to_hf_dict)
+    OUT/model.safetensors   the drafter only: layers.N.*, fc.weight, hidden_norm.weight, norm.weight
+
+The target's embedding and lm_head are not part of the drafter: the serving engine shares the target's.
+The directory is assembled next to OUT and renamed into place, so OUT is either the old export, the new
+one, or absent, never half-written.  `--check` reloads OUT the way a consumer would (config.json ->
+DrafterConfig, strict load of the safetensors) and compares its logits with the checkpoint's model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dflash.config import ExportConfig
+from dflash.errors import ConfigError, DFlashError
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+_HF_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Wrappers that may prefix parameter names in a state dict (DDP, torch.compile).
+_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _strip(key: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for p in _PREFIXES:
+            if key.startswith(p):
+                key, changed = key[len(p) :], True
+    return key.replace("._orig_mod.", ".")
+
+
+def drafter_state(state: dict[str, torch.Tensor], cfg, where) -> dict[str, torch.Tensor]:
+    """Exactly the exported key set (model.state_dict_keys), or a DFlashError naming what is off."""
+    from dflash.model import state_dict_keys
+
+    state = {_strip(k): v for k, v in state.items()}
+    want = state_dict_keys(cfg.num_hidden_layers, cfg.attention_bias)
+    missing = [k for k in want if k not in state]
+    if missing:
+        raise DFlashError(
+            f"{where} lacks drafter weight(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} for a "
+            f"{cfg.num_hidden_layers}-layer drafter; it is not a complete dflash checkpoint."
+        )
+    return {k: state[k] for k in want}
+
+
+def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dict]:
+    """(DFlashDrafter in fp32 eval mode, checkpoint dir, train_config dict) from a run or checkpoint dir."""
+    from safetensors.torch import load_file
+
+    from dflash.checkpoint import resolve_checkpoint
+    from dflash.model import DFlashDrafter, DrafterConfig
+
+    src = Path(run_or_checkpoint)
+    if not src.exists():
+        raise DFlashError(f"{src} does not exist; pass a `dflash train` run directory or one of its checkpoints.")
+    ckpt = resolve_checkpoint(src)
+    cfg_path = ckpt / "config.json"
+    try:
+        cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+        state = load_file(str(ckpt / "model.safetensors"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DFlashError(f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); it is incomplete or not "
+                          "a dflash checkpoint.") from None
+    drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(drafter_state(state, cfg, ckpt), strict=False)  # rotary buffer is not saved
+    train_config = {}
+    if (ckpt / "train_config.json").is_file():
+        train_config = json.loads((ckpt / "train_config.json").read_text())
+    return drafter.float().eval(), ckpt, train_config
+
+
+def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Reload an export as a consumer would: config.json -> DrafterConfig, strict weight load."""
+    from safetensors.torch import load_file
+
+    from dflash.model import DFlashDrafter, DrafterConfig
+
+    out_dir = Path(out_dir)
+    d = json.loads((out_dir / "config.json").read_text())
+    drafter = DFlashDrafter(DrafterConfig.from_hf_dict(d))
+    missing, unexpected = drafter.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary_emb.")]
+    if missing or unexpected:
+        raise DFlashError(f"export {out_dir} does not load as a DFlash drafter (missing {missing}, "
+                          f"unexpected {unexpected}).")
+    return drafter.to(dtype).eval()
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move `tmp` to `out`, swapping out an earlier export whole."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_out(out: Path, source: Path) -> None:
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise ConfigError(f"export directory {out} is inside the source {source}; choose a directory outside it.")
+    if out.exists():
+        is_export = (out / "config.json").is_file() and "DFlashDraftModel" in (out / "config.json").read_text()
+        if not out.is_dir() or (any(out.iterdir()) and not is_export):
+            raise ConfigError(
+                f"{out} exists and is not an earlier dflash export; pass a new directory (an earlier export "
+                "is replaced whole, anything else is left alone)."
+            )
+
+
+def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None) -> Path:
+    """Write `drafter` as a DFlashDraftModel directory at `out`, atomically."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    cfg = drafter.config
+    hf = cfg.to_hf_dict()
+    hf["architectures"] = ["DFlashDraftModel"]
+    hf["model_type"] = "qwen3"
+    hf["dtype"] = _HF_DTYPE[dtype]
+    hf["torch_dtype"] = _HF_DTYPE[dtype]  # what transformers < 4.56 (and engines built on it) read
+    state = drafter_state(drafter.state_dict(), cfg, "the drafter")
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _random_batch(cfg, lm_head: torch.Tensor, seed: int = 0):
+    """One packed row: random context features and two blocks of random tokens on random anchors."""
+    from dflash import masks
+
+    g = torch.Generator().manual_seed(seed)
+    B, S = cfg.block_size, 128
+    anchors = [5, 40]
+    ctx = torch.randn(1, S, cfg.num_features * cfg.hidden_size, generator=g)
+    Q = 128 * ((2 * B + 127) // 128)
+    ids = torch.randint(0, lm_head.shape[0], (1, Q), generator=g)
+    block_pos = torch.zeros(1, Q, dtype=torch.long)
+    for j, a in enumerate(anchors):
+        block_pos[0, j * B : (j + 1) * B] = torch.arange(a, a + B)
+    meta = masks.mask_metadata([0], [S], [0] * len(anchors), anchors, B, S, Q)
+    embeds = torch.randn(1, Q, cfg.hidden_size, generator=g)
+    return ctx, embeds, torch.arange(S).view(1, -1), block_pos, masks.to_dense_mask(meta)
+
+
+@torch.no_grad()
+def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor | None = None) -> dict:
+    """Logits of the reloaded export vs `reference` (the training model with weights rounded to `dtype`,
+    so only naming, layout and config can differ: the match must be exact up to fp32 noise)."""
+    exported = load_export(out_dir, torch.float32)
+    ref = type(reference)(reference.config)
+    ref.load_state_dict({k: v.to(dtype).float() for k, v in reference.state_dict().items()}, strict=False)
+    ref.eval()
+    cfg = reference.config
+    if lm_head is None:
+        lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    lm_head = lm_head.float()
+    batch = _random_batch(cfg, lm_head)
+    a = exported(*batch) @ lm_head.t()
+    b = ref(*batch) @ lm_head.t()
+    diff = float((a - b).abs().max())
+    scale = float(b.abs().max())
+    fields = exported.config.to_hf_dict() == ref.config.to_hf_dict()
+    ok = diff <= 1e-4 * max(1.0, scale) and fields
+    return {"ok": ok, "max_abs_logit_diff": diff, "max_abs_logit": scale, "config_round_trip": fields,
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
+def _lm_head_of(train_config: dict):
+    from dflash.target_io import load_embed_and_head
+
+    target = (train_config.get("train") or train_config).get("target")
+    if target and Path(target).is_dir():
+        try:
+            return load_embed_and_head(target)[1]
+        except DFlashError:
+            return None
+    return None
+
+
+def run_export(cfg: ExportConfig) -> dict:
+    """`dflash export RUN_OR_CHECKPOINT OUT [--check]`."""
+    if not cfg.source or not cfg.out:
+        raise ConfigError("usage: dflash export RUN_OR_CHECKPOINT OUT [--check]")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"export dtype {cfg.dtype!r} is not one of bf16, fp16, fp32.")
+    dtype = DTYPES[cfg.dtype]
+    source, out = Path(cfg.source), Path(cfg.out)
+    drafter, ckpt, train_config = load_training_drafter(source)
+    _check_out(out, ckpt)
+    export_drafter(drafter, out, dtype, metadata={"source": str(ckpt)})
+    result = {"out": str(out), "checkpoint": str(ckpt), "dtype": cfg.dtype}
+    print(f"exported {ckpt} -> {out} ({cfg.dtype})")
+    if cfg.check:
+        report = check_export(out, drafter, dtype, _lm_head_of(train_config))
+        result["check"] = report
+        print(f"check: max |logit diff| {report['max_abs_logit_diff']:.3g} (max |logit| {report['max_abs_logit']:.3g}), "
+              f"config round trip {'ok' if report['config_round_trip'] else 'DIFFERS'}")
+        if not report["ok"]:
+            raise DFlashError(
+                f"export check failed for {out}: the reloaded export's logits differ from the checkpoint's model by "
+                f"up to {report['max_abs_logit_diff']:.3g} (config round trip: {report['config_round_trip']}). "
+                "This is a bug in dflash's export; please report it with the checkpoint's config.json."
+            )
+    return result
+
+
+__all__ = ["run_export", "export_drafter", "load_export", "load_training_drafter", "check_export", "drafter_state"]

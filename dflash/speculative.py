@@ -1,0 +1,197 @@
+"""Greedy speculative decoding with a DFlash drafter, and the target-only greedy loop it must match.
+
+One step (as in z-lab's DFlash inference):
+
+1. The drafter sees the context features of every position before the anchor (the output of the
+   target layers `target_layer_ids`, captured while the target verified earlier tokens) and a block
+   `[anchor token, MASK x (B-1)]` at positions `start .. start+B-1`; it proposes B-1 tokens in one
+   non-causal pass.  Its KV cache then drops the block's keys (`crop(start)`) and keeps the context's,
+   so every context position is projected exactly once.
+2. The target runs the block through its KV cache.  Its greedy token after block prefix `i` is
+   `posterior[i]`; the longest prefix of proposals equal to the posteriors is accepted, and
+   `posterior[acc]` is the bonus token and the next anchor.  The target cache is cropped back to the
+   accepted tokens, and their hidden states become the drafter's new context.
+
+Both loops emit the prefill's greedy token first, then stop after an eos token (kept) or at
+`max_new_tokens`, so with exact arithmetic their outputs are identical token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# propose(start, proposals [B-1]) -> proposals [B-1]: a test hook that may replace the drafter's guesses.
+ProposeHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # generated token ids, prompt excluded
+    seconds: float  # wall time of the whole generation, prefill included
+    acceptance: list[int] = field(default_factory=list)  # tokens produced per target forward (speculative)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class LayerCapture:
+    """Forward hooks keeping the *output* of the chosen decoder layers from the latest target call.
+
+    Same convention as precompute (dflash.target.Capture): the output of layer i is `hidden_states[i+1]`
+    in transformers terms, and for the last layer that is the state after the final norm.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        from dflash.target import check_layers, decoder_layers
+
+        layers = decoder_layers(target)
+        self.layer_ids = check_layers(list(layer_ids), len(layers), getattr(target, "name_or_path", "?"))
+        final_norm = getattr(target.get_decoder(), "norm", None)
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles = [
+            layers[i].register_forward_hook(self._hook(i, final_norm if i == len(layers) - 1 else None))
+            for i in self.layer_ids
+        ]
+
+    def _hook(self, i: int, norm):
+        def hook(_module, _args, output):
+            h = output[0] if isinstance(output, (tuple, list)) else output
+            self._out[i] = norm(h) if norm is not None else h
+
+        return hook
+
+    def features(self) -> torch.Tensor:
+        """[batch, seq, n_layers * H]: the captured layers concatenated in `layer_ids` order."""
+        return torch.cat([self._out[i] for i in self.layer_ids], dim=-1)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _cache_kw(target) -> str:
+    """transformers 5.x renamed forward's `past_key_values` to `cache`; use whichever this one takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache (negative crop: the form 4.x and 5.x share)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut `tokens` after the first eos or at max_new_tokens; say whether generation is over."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in eos_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@torch.inference_mode()
+def greedy_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> Generation:
+    """Target-only greedy decoding with a KV cache, one token per forward: the reference and baseline."""
+    from transformers import DynamicCache
+
+    device = prompt_ids.device
+    _sync(device)
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    kw = _cache_kw(target)
+    out = target(input_ids=prompt_ids.view(1, -1), **{kw: cache}, use_cache=True, logits_to_keep=1)
+    tokens: list[int] = []
+    while True:
+        tok = out.logits[0, -1].argmax()
+        tokens.append(int(tok))
+        tokens, done = _finish(tokens, max_new_tokens, eos_ids)
+        if done:
+            break
+        out = target(input_ids=tok.view(1, 1), **{kw: cache}, use_cache=True)
+    _sync(device)
+    return Generation(tokens=tokens, seconds=time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    propose: ProposeHook | None = None,
+) -> Generation:
+    """Greedy speculative decoding: the drafter proposes B-1 tokens per step, the target keeps a prefix.
+
+    `drafter` is a `DFlashDrafter` on the target's device and dtype; it uses the target's own input
+    embedding and lm_head (DESIGN section 2).
+    """
+    from transformers import DynamicCache
+
+    cfg = drafter.config
+    B, mask_id = cfg.block_size, cfg.mask_token_id
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    device = prompt_ids.device
+    prompt_ids = prompt_ids.view(1, -1)
+    P = prompt_ids.shape[1]
+    offsets = torch.arange(B, device=device)
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with LayerCapture(target, cfg.target_layer_ids) as capture:
+        target_cache = DynamicCache(config=target.config)
+        kw = _cache_kw(target)
+        out = target(input_ids=prompt_ids, **{kw: target_cache}, use_cache=True, logits_to_keep=1)
+        anchor = out.logits[0, -1].argmax()
+        context = capture.features()  # features of positions [drafted, start) not yet in the draft cache
+        draft_cache = drafter.new_cache()
+        tokens, done = _finish([int(anchor)], max_new_tokens, eos_ids)
+        acceptance: list[int] = []
+        start, drafted = P, 0  # `start`: position of the anchor; `drafted`: context length in the draft cache
+        while not done:
+            block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
+            block[0, 0] = anchor
+            hidden = drafter.forward_step(
+                context,
+                embed(block),
+                ctx_positions=torch.arange(drafted, start, device=device).view(1, -1),
+                block_positions=(start + offsets).view(1, -1),
+                cache=draft_cache,
+            )
+            draft_cache.crop(start)
+            drafted = start
+            proposals = head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
+            if propose is not None:
+                proposals = propose(start, proposals).to(device=device, dtype=torch.long)
+            block[0, 1:] = proposals
+
+            out = target(input_ids=block, **{kw: target_cache}, use_cache=True)
+            posterior = out.logits[0].argmax(-1)  # posterior[i]: the target's token after block[: i + 1]
+            acc = int((block[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
+            acceptance.append(acc + 1)
+            anchor = posterior[acc]
+            new = block[0, 1 : acc + 1].tolist() + [int(anchor)]
+            tokens, done = _finish(tokens + new, max_new_tokens, eos_ids)
+            start += acc + 1
+            crop_cache(target_cache, start)
+            context = capture.features()[:, : acc + 1]
+    _sync(device)
+    return Generation(tokens=tokens, seconds=time.perf_counter() - t0, acceptance=acceptance)
+
+
+__all__ = ["Generation", "LayerCapture", "greedy_generate", "speculative_generate"]
