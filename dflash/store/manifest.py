@@ -72,16 +72,22 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
-    """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix."""
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durable: bool = True) -> None:
+    """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix.
+
+    The rename alone is atomic against a killed process; `durable` adds the fsyncs that make it survive
+    a power loss too.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def _read_json(path: Path) -> Any:

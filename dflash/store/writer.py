@@ -101,7 +101,10 @@ class ShardWriter:
         chunk_tokens: int | None = None,  # inner chunk (default: ~4 MB of hidden states)
         chunks_per_object: int = 16,  # inner chunks per Zarr shard object (file)
         hidden_compressor: str | None = None,  # None | "zstd"
+        flush_tokens: int | None = None,  # write whole objects once this many tokens are buffered
+        durable: bool = True,  # fsync at commits (power-loss safety); kill -9 safety holds either way
     ):
+        self.durable = durable
         self.root = Path(store_path)
         self.shard = int(shard_index)
         self.dir = self.root / shard_name(self.shard)
@@ -131,7 +134,8 @@ class ShardWriter:
         self._pending_ids: set[int] = set()
         self._since_commit = 0
         self._unsynced: set[Path] = set()
-        self._flush_tokens = self.S * max(1, (256 * 2**20) // (self.S * row_bytes))
+        # bounded memory between commits: write whole objects every ~256 MB of hidden states
+        self._flush_tokens = flush_tokens or self.S * max(1, (256 * 2**20) // (self.S * row_bytes))
         if not self.complete and shard_status(self.root, self.shard).get("status") != "running":
             mark_shard(self.root, self.shard, "running")
 
@@ -279,6 +283,9 @@ class ShardWriter:
         self._buf_start, self._buffered = hi, self._buffered - n
 
     def _sync(self) -> None:
+        if not self.durable:
+            self._unsynced.clear()
+            return
         dirs = set()
         for p in self._unsynced:
             try:
@@ -303,12 +310,12 @@ class ShardWriter:
         end = self.num_tokens
         if self._buffered:
             tail = layout.tail_table({n: self._buffer(n) for n in self.specs}, self._buf_start, end)
-            atomic_write_bytes(layout.tail_path(self.dir, end), layout.to_ipc_bytes(tail))
+            atomic_write_bytes(layout.tail_path(self.dir, end), layout.to_ipc_bytes(tail), self.durable)
         seg = pa.Table.from_pylist(self._pending, schema=layout.index_schema(self.specs))
         seg = layout.with_meta(seg, end=end, zarr_end=self._buf_start)
         n = self._committed.num_segments
         (self.dir / layout.SEGMENTS).mkdir(exist_ok=True)
-        atomic_write_bytes(layout.seg_path(self.dir, n), layout.to_ipc_bytes(seg))  # the commit point
+        atomic_write_bytes(layout.seg_path(self.dir, n), layout.to_ipc_bytes(seg), self.durable)  # commit point
         if self._committed.tail is not None and self._committed.tail != layout.tail_path(self.dir, end):
             self._committed.tail.unlink(missing_ok=True)
         self._committed = layout.Committed(
@@ -336,7 +343,7 @@ class ShardWriter:
             self._sync()
             # one record batch: the file's bytes do not depend on how many commits built it
             index = layout.with_meta(self._committed.index.combine_chunks(), end=end, zarr_end=end)
-            atomic_write_bytes(self.dir / layout.INDEX, layout.to_ipc_bytes(index))  # now complete
+            atomic_write_bytes(self.dir / layout.INDEX, layout.to_ipc_bytes(index), self.durable)  # complete
             self.complete = True
             self._committed = layout.load_committed(self.dir, self.specs)
             self._cleanup(self._committed)
