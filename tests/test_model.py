@@ -244,3 +244,21 @@ def test_rope_matches_transformers(scaling):
 def test_logits_helper():
     hidden, w = torch.randn(2, 5, H), torch.randn(50, H)
     torch.testing.assert_close(drafter_logits(hidden, w), hidden @ w.T)
+
+
+def test_compiled_drafter_with_flex_and_fresh_masks():
+    """The training loop compiles the whole drafter once; a new BlockMask per batch must not recompile."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    B = 4
+    m = make_drafter(num_layers=1, block_size=B)
+    compiled = torch.compile(m)
+    for seed in (0, 2):
+        _, meta, ctx_hidden, emb, ctx_pos, blk_pos = packed_batch(B, seed=seed)
+        with torch.no_grad():
+            got = compiled(ctx_hidden, emb, ctx_pos, blk_pos, masks.to_block_mask(meta))
+            want = m(ctx_hidden, emb, ctx_pos, blk_pos, masks.to_dense_mask(meta))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert counters["stats"]["unique_graphs"] == 1
