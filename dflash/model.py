@@ -398,6 +398,12 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(m.weight)
         self.rotary_emb.reset_buffers(buffer_device)
 
+    def _check_features(self, ctx_hidden: torch.Tensor) -> None:
+        if ctx_hidden.shape[-1] != self.fc.in_features:
+            raise ValueError(
+                f"context features have width {ctx_hidden.shape[-1]}, the drafter expects "
+                f"{self.config.num_features} target layers x hidden {self.config.hidden_size} = {self.fc.in_features}")
+
     def _context(self, ctx_hidden: torch.Tensor) -> torch.Tensor:
         # Under autocast the bf16 features go straight into fc; otherwise match the weights' dtype.
         if not torch.is_autocast_enabled(ctx_hidden.device.type):
@@ -407,6 +413,7 @@ class DFlashDrafter(nn.Module):
     def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
         """ctx_hidden [R,S,L*H], block_embeds [R,Q,H], positions [R,S] / [R,Q], mask: BlockMask or
         bool [R,1,Q,S+Q] -> hidden states [R,Q,H] after the final norm."""
+        self._check_features(ctx_hidden)
         if not isinstance(mask, torch.Tensor) and not ctx_hidden.is_cuda and torch.is_grad_enabled():
             # flex_attention has no backward on CPU: train there through SDPA with the same mask.
             from dflash.masks import block_mask_to_dense
@@ -429,6 +436,7 @@ class DFlashDrafter(nn.Module):
         """One drafting step: append the newly accepted context [R,n,L*H] (n may be 0) at
         `ctx_positions` [R,n] to `cache`, then let the block [R,B,H] at `block_positions` [R,B] attend
         to all cached context and to itself (bidirectional). Returns [R,B,H] after the final norm."""
+        self._check_features(new_ctx_hidden)
         n = new_ctx_hidden.shape[1]
         ctx = self._context(new_ctx_hidden) if n else None
         ctx_rope = self.rotary_emb(ctx_positions) if n else None

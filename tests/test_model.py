@@ -262,3 +262,21 @@ def test_compiled_drafter_with_flex_and_fresh_masks():
             want = m(ctx_hidden, emb, ctx_pos, blk_pos, masks.to_dense_mask(meta))
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_meta_construction_then_init():
+    """FSDP-style construction on the meta device, materialised with to_empty + init_weights."""
+    B = 4
+    with torch.device("meta"):
+        m = DFlashDrafter(tiny_config(block_size=B))
+    m.to_empty(device="cpu")
+    m.init_weights()
+    fresh = DFlashDrafter(tiny_config(block_size=B))
+    torch.testing.assert_close(m.rotary_emb.inv_freq, fresh.rotary_emb.inv_freq)
+    assert torch.equal(m.norm.weight, torch.ones(H))
+    _, meta, ctx_hidden, emb, ctx_pos, blk_pos = packed_batch(B)
+    with torch.no_grad():
+        out = m(ctx_hidden, emb, ctx_pos, blk_pos, masks.to_dense_mask(meta))
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="target layers"):
+        m(ctx_hidden[..., :-1], emb, ctx_pos, blk_pos, masks.to_dense_mask(meta))
