@@ -133,6 +133,17 @@ def test_fp8_within_e4m3_tolerance(tmp_path):
     assert verify_store(root).ok
 
 
+class _Samples(torch.utils.data.Dataset):
+    def __init__(self, store):
+        self.store, self.ids = store, store.sample_ids()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.store.read(self.ids[i])
+
+
 def test_two_shards_and_pickle(tmp_path):
     root = tmp_path / "s"
     create_or_check_manifest(root, manifest(num_shards=2))
@@ -146,6 +157,11 @@ def test_two_shards_and_pickle(tmp_path):
     assert s2.sample_ids() == s.sample_ids()
     for sid in (0, 7, 39):
         assert_sample(s2, sid)
+    # DataLoader workers, forked after the parent has read (Zarr's IO thread must not be inherited)
+    loader = torch.utils.data.DataLoader(
+        _Samples(s), batch_size=None, num_workers=2, multiprocessing_context="fork", prefetch_factor=1
+    )
+    assert [int(b["input_ids"][0]) for b in loader] == [int(sample(i)["input_ids"][0]) for i in range(40)]
     assert verify_store(root).ok
 
 

@@ -128,7 +128,11 @@ def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, over
     root = Path(store_path)
     mpath = root / MANIFEST
     if overwrite and root.exists():
-        shutil.rmtree(root)
+        # rename first (atomic), delete after: a kill half-way through never leaves a store whose manifest
+        # survived the deletion of some of its data
+        trash = root.with_name(f".{root.name}.deleting-{os.getpid()}")
+        root.rename(trash)
+        shutil.rmtree(trash)
     if mpath.is_file():
         old = _read_json(mpath)
         if old.get("format_version") != FORMAT_VERSION:

@@ -72,6 +72,7 @@ def encode_hidden(hidden, hidden_dtype: str, num_layers: int) -> dict[str, np.nd
     """[T, L*H] float tensor -> stored arrays: bf16 bits, or e4m3 bits + per-token-per-layer scale."""
     h = hidden if isinstance(hidden, torch.Tensor) else torch.as_tensor(np.asarray(hidden))
     h = h.detach()
+    h = h.reshape(h.shape[0], -1)  # [T, L, H] is accepted too
     if hidden_dtype == "bf16":
         return {"hidden": h.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)}
     t = h.shape[0]
