@@ -18,6 +18,7 @@ appends only what was not committed, giving the store an uninterrupted run gives
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import os
 import sys
@@ -203,6 +204,7 @@ def run_shard(job: ShardJob) -> dict:
         )
         with writer:
             done = writer.committed_sample_ids()
+            t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
             for w0 in range(0, len(rows), WINDOW):
                 window = rows[w0 : w0 + WINDOW]
@@ -225,7 +227,7 @@ def run_shard(job: ShardJob) -> dict:
                         if slow:
                             time.sleep(slow)
                     bar.update(len(members))
-                    elapsed = max(time.time() - t0, 1e-9)
+                    elapsed = max(time.time() - t_loop, 1e-9)
                     bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
                     if job.parent_pid is not None and os.getppid() != job.parent_pid:
                         os._exit(1)  # the launcher was killed: stop at a batch boundary, a rerun resumes
@@ -344,12 +346,13 @@ def _spawn(jobs: list[ShardJob]) -> None:
     raise RuntimeError(f"shard {shard} failed with an unexpected error:\n{payload}")
 
 
-def _rank0_first(fn, world):
+def _rank0_first(fn):
     """Under torchrun: rank 0 runs `fn` (manifest creation) and the others learn its outcome."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        # The closing barrier waits for the slowest shard, which may take many hours.
+        dist.init_process_group("gloo", timeout=datetime.timedelta(days=3))
     outcome = [None]
     if dist.get_rank() == 0:
         try:
@@ -400,14 +403,17 @@ def run_precompute(cfg: PrecomputeConfig) -> dict:
         return all(st.get("status") == "complete" for st in read_manifest(out)["shards"].values())
 
     if world:
+        import torch.distributed as dist
+
         rank, world_size, local_rank = world
-        complete = _rank0_first(create, world)
+        owns_group = not dist.is_initialized()
+        complete = _rank0_first(create)
         if not complete:
             device = _devices(cfg.gpus, 1, local_offset=local_rank)[0]
             run_shard(ShardJob(cfg, rank, world_size, device, layer_ids))
-        import torch.distributed as dist
-
         dist.barrier()
+        if owns_group:
+            dist.destroy_process_group()
         if rank != 0:
             return {}
     else:
