@@ -114,6 +114,17 @@ def test_bf16_input_keeps_bits_and_no_topk(tmp_path):
     assert verify_store(root).ok
 
 
+def test_compressed_hidden_round_trip(tmp_path):
+    root = tmp_path / "s"
+    create_or_check_manifest(root, manifest())
+    write_shard(root, 0, range(12), hidden_compressor="zstd")
+    assert "zstd" in (root / "shard-00000" / "hidden" / "zarr.json").read_text()
+    s = open_store(root)
+    for sid in range(12):
+        assert_sample(s, sid)
+    assert verify_store(root).ok
+
+
 def test_fp8_within_e4m3_tolerance(tmp_path):
     root = tmp_path / "s"
     create_or_check_manifest(root, manifest(hidden_dtype="fp8"))
