@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -220,7 +221,7 @@ def _cli(*args):
     res = CliRunner().invoke(main, ["precompute", *map(str, args)])
     assert isinstance(res.exception, SystemExit) and res.exit_code != 0, res.output
     assert "Traceback" not in res.output
-    return res.output.replace("\n", " ")
+    return res.output.replace("-\n", "-").replace("\n", " ")  # click wraps lines, also at hyphens
 
 
 def _no_valid_store(store: Path):
@@ -262,8 +263,6 @@ def _write(path: Path, rows) -> Path:
     ],
 )
 def test_bad_input_fails_cleanly(bad, targets, case, expect):
-    import re
-
     d, good, no_tmpl, broken = bad
     target, data = targets["qwen3"], good
     layers = "1,2"
@@ -313,3 +312,23 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, targets):
     assert res.exit_code == 0, res.output
     s = open_store(store)
     assert s.manifest["target_layer_ids"] == [0, 1] and s.manifest["target"]["model_type"] == "llama"
+
+
+@pytest.mark.slow
+def test_a_failing_shard_fails_the_command(tmp_path, targets):
+    import shutil
+
+    from helpers import QWEN3_TEMPLATE
+
+    # a template that refuses one conversation deep in the data, past the rows checked up front
+    target = tmp_path / "boom-target"
+    shutil.copytree(targets["qwen3"], target)
+    boom = "{%- for m in messages %}{%- if m.content == 'BOOM' %}{{ raise_exception('BOOM') }}{%- endif %}{%- endfor %}"
+    (target / "chat_template.jinja").write_text(boom + QWEN3_TEMPLATE)
+    rows = make_conversations(20, seed=1)
+    rows[19]["messages"][-2]["content"] = "BOOM"
+    data = _write(tmp_path / "d.jsonl", rows)
+    store = tmp_path / "s"
+    out = _cli("--target", target, "--data", data, "--out", store, "--gpus", "cpu", "--shards", "2", "--target-layers", "1")
+    assert re.search(r"error: shard 1 failed: dataset \S+d.jsonl, row 19: the chat template cannot render", out), out
+    assert not verify_store(store).ok
