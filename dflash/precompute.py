@@ -34,6 +34,7 @@ from dflash.config import PrecomputeConfig, to_dict
 from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.store import ShardWriter, create_or_check_manifest, read_manifest, shard_name
+from dflash.store.manifest import shard_status
 from dflash.target import Capture, check_layers, load_target, load_tokenizer, resolve_dtype
 from dflash.target_io import default_target_layers, target_identity, tokenizer_hash
 
@@ -182,8 +183,6 @@ def run_shard(job: ShardJob) -> dict:
     rows = list(range(shard, len(ds), job.num_shards))
     lock = _lock_shard(Path(cfg.out), shard)
     try:
-        from dflash.store.manifest import shard_status
-
         if shard_status(cfg.out, shard).get("status") == "complete":
             return shard_status(cfg.out, shard)
         model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
@@ -235,8 +234,6 @@ def run_shard(job: ShardJob) -> dict:
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["device"] = str(device)
             writer.finalize(stats)
-        from dflash.store.manifest import shard_status
-
         return shard_status(cfg.out, shard)
     finally:
         lock.close()

@@ -124,7 +124,7 @@ class Capture:
         self.layer_ids = check_layers(layer_ids, len(self.layers), getattr(model, "name_or_path", "?"))
         self.topk = topk
         self.lm_head_chunk = lm_head_chunk
-        self.decoder = model.get_decoder()
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.final_norm = getattr(self.decoder, "norm", None)
         cfg = model.config.get_text_config()
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
