@@ -24,7 +24,8 @@ from dflash.errors import DFlashError
 
 
 def _fail(message: str, code: int = 1) -> None:
-    click.echo(click.wrap_text(f"error: {message}", width=100, preserve_paragraphs=True), err=True)
+    # Not wrapped: paths and sample ids in the message must stay copyable.
+    click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
 
