@@ -10,6 +10,8 @@ one H200 produces ~30K tokens/s, so a shard writer has to sustain ~1.2 GB/s.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import shutil
 import time
 
@@ -30,6 +32,8 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=None)
     ap.add_argument("--hidden-compressor", default=None)
     ap.add_argument("--commit-every", type=int, default=32768)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-fsync", action="store_true", help="durable=False: what the disk's fsync costs")
     a = ap.parse_args()
     torch.set_num_threads(1)
     manifest = {
@@ -50,6 +54,9 @@ def main() -> None:
     topk_ids, topk_lp = torch.randint(0, 151936, (t, a.topk)), -torch.rand(t, a.topk)
     n = max(1, a.tokens // t)
     t0 = time.perf_counter()
+    prof = cProfile.Profile() if a.profile else None
+    if prof:
+        prof.enable()
     with ShardWriter(
         a.out,
         0,
@@ -60,11 +67,15 @@ def main() -> None:
         commit_every_tokens=a.commit_every,
         chunk_tokens=a.chunk_tokens,
         hidden_compressor=a.hidden_compressor,
+        durable=not a.no_fsync,
     ) as w:
         for i in range(n):
             w.append(i, i, ids, mask, hidden, topk_ids, topk_lp)
         w.finalize()
     dt = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     tokens = n * t
     print(f"write: {tokens / dt:,.0f} tok/s ({tokens * a.width * 2 / dt / 1e9:.2f} GB/s of bf16 hidden), objects of {w.S} tokens")
     s = open_store(a.out)

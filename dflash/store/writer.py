@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +105,11 @@ class ShardWriter:
         hidden_compressor: str | None = None,  # None | "zstd"
         flush_tokens: int | None = None,  # write whole objects once this many tokens are buffered
         durable: bool = True,  # fsync at commits (power-loss safety); kill -9 safety holds either way
+        overlap_io: bool = True,  # write Zarr objects on one I/O thread (Zarr + numpy only, never torch)
     ):
         self.durable = durable
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="dflash-store-io") if overlap_io else None
+        self._inflight = None
         self.root = Path(store_path)
         self.shard = int(shard_index)
         self.dir = self.root / shard_name(self.shard)
@@ -267,21 +271,39 @@ class ShardWriter:
         return parts[0]
 
     def _write_objects(self, final: bool = False) -> None:
-        """Write the buffered whole objects (or, when final, everything) to Zarr, one slice per array."""
+        """Write the buffered whole objects (or, when final, everything) to Zarr, one slice per array.
+
+        The write runs on the I/O thread while the caller goes on (the GPU keeps computing); at most one
+        write is in flight, and commit() waits for it before anything refers to its objects.
+        """
         n = self._buffered if final else (self._buffered // self.S) * self.S
         if n == 0:
             return
         lo, hi = self._buf_start, self._buf_start + n
-        for name, arr in self.arrays.items():
+        slices = {}
+        for name in self.arrays:
             data = self._buffer(name)
-            if arr.shape[0] != hi and (arr.shape[0] < hi or final):
-                arr.resize((hi, *arr.shape[1:]))
-            arr[lo:hi] = data[:n]
-            self._buf[name] = [data[n:]]
+            slices[name], self._buf[name] = data[:n], [data[n:]]
             self._unsynced.add(self.dir / name / "zarr.json")
             for k in range(lo // self.S, (hi - 1) // self.S + 1):
                 self._unsynced.add(self._object_path(name, k))
         self._buf_start, self._buffered = hi, self._buffered - n
+        self._wait_io()
+        if self._io is None or final:
+            self._store_slices(lo, hi, slices, final)
+        else:
+            self._inflight = self._io.submit(self._store_slices, lo, hi, slices, final)
+
+    def _store_slices(self, lo: int, hi: int, slices: dict[str, np.ndarray], final: bool) -> None:
+        for name, arr in self.arrays.items():
+            if arr.shape[0] != hi and (arr.shape[0] < hi or final):
+                arr.resize((hi, *arr.shape[1:]))
+            arr[lo:hi] = slices[name]
+
+    def _wait_io(self) -> None:
+        if self._inflight is not None:
+            f, self._inflight = self._inflight, None
+            f.result()  # re-raises a failed write here, before any commit can refer to it
 
     def _sync(self) -> None:
         if not self.durable:
@@ -307,6 +329,7 @@ class ShardWriter:
         if not self._pending:
             return
         self._write_objects()
+        self._wait_io()
         self._sync()
         end = self.num_tokens
         if self._buffered:
@@ -362,8 +385,13 @@ class ShardWriter:
         )
 
     def close(self) -> None:
-        if not self.complete:
-            self.commit()
+        try:
+            if not self.complete:
+                self.commit()
+        finally:
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+                self._io = None
 
     def __enter__(self):
         return self
