@@ -1,8 +1,8 @@
 """Stores for the training-side tests: a tiny random-init target over *repetitive* conversations.
 
-A random target has no knowledge to distil, but when the assistant counts "one two three ..." the next
-tokens follow from the current one, so a drafter trained on the store must show falling loss and rising
-acceptance length within a few dozen steps.
+The tiny target is first taught to count ("one two three ...", a few seconds of training), so that its
+lm_head and hidden states carry structure like a real target's: a drafter trained on the store must then
+show falling loss and rising acceptance length within a few dozen steps.
 """
 
 from __future__ import annotations
@@ -27,12 +27,35 @@ def counting_conversations(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+def teach_counting(target: Path, rows: list[dict], steps: int = 40, seed: int = 0) -> Path:
+    """Train the tiny target in place on the conversations (plain next-token loss) and save it again."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    texts = [tok.apply_chat_template(r["messages"], tokenize=False) for r in rows]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(target)
+    return target
+
+
 def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4) -> tuple[Path, Path]:
     """(target dir, store dir): stage one run for real (dflash.precompute) over counting conversations."""
     tmp = Path(tmp)
-    target = make_tiny_target(tmp)
+    rows = counting_conversations(n)
+    target = teach_counting(make_tiny_target(tmp), rows)
     data = tmp / "counting.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in counting_conversations(n)))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp / "store"
     from dflash.config import PrecomputeConfig
     from dflash.precompute import run_precompute

@@ -1,0 +1,239 @@
+"""End to end training on CPU: real store, real gloo processes, real kills and resumes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.config import TrainConfig
+from dflash.errors import ConfigError, StoreError
+from dflash.launch import launch_train
+
+pytestmark = pytest.mark.slow
+
+DFLASH = [sys.executable, "-m", "dflash.cli"]
+
+# Imported by every Python process of the run (launcher, training processes, the forkservers that
+# fork the DataLoader workers): create_block_mask raises, and each patched process leaves its pid.
+SITECUSTOMIZE = """
+import os
+import torch.nn.attention.flex_attention as fa
+
+def create_block_mask(*args, **kwargs):
+    raise RuntimeError("create_block_mask called in a training process")
+
+fa.create_block_mask = create_block_mask
+with open(os.environ["PATCHED_PIDS"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def counting(tmp_path_factory):
+    from train_fixtures import build_counting_store
+
+    return build_counting_store(tmp_path_factory.mktemp("train"), n=48)
+
+
+def _cfg(target, store, out, **kw):
+    base = dict(store=str(store), target=str(target), out=str(out), gpus="cpu:1", block_size=8, num_layers=1,
+                steps=6, lr=3e-3, warmup_steps=2, token_budget=256, num_anchors=8, num_workers=1,
+                compile="off", seed=0, save_every=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _args(cfg: TrainConfig, where: Path) -> list[str]:
+    """`dflash train --config params.yaml` holding exactly `cfg` (so in-process and CLI runs agree)."""
+    import yaml
+
+    from dflash.config import to_dict
+
+    where.mkdir(parents=True, exist_ok=True)
+    params = where / "params.yaml"
+    params.write_text(yaml.safe_dump({"train": to_dict(cfg)}))
+    return ["train", "--config", str(params)]
+
+
+def _env(extra_path: Path | None = None) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    paths = [str(Path(__file__).parent.parent)] + ([str(extra_path)] if extra_path else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    return env
+
+
+def _metrics(run) -> list[dict]:
+    return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(counting, tmp_path_factory):
+    """`dflash train --gpus cpu:2` with create_block_mask patched to raise in every process."""
+    target, store = counting
+    tmp = tmp_path_factory.mktemp("ddp")
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    cfg = _cfg(target, store, tmp / "run", gpus="cpu:2", steps=4, save_every=2)
+    env = dict(_env(site), PATCHED_PIDS=str(tmp / "patched_pids"))
+    p = subprocess.run(DFLASH + _args(cfg, tmp / "cwd"), env=env, cwd=tmp / "cwd", capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return cfg, len(set((tmp / "patched_pids").read_text().split()))
+
+
+def test_two_processes_without_create_block_mask(two_process_run):
+    cfg, patched = two_process_run
+    assert patched >= 5  # launcher, 2 training processes, their 2 worker forkservers
+    run = Path(cfg.out)
+    recs = _metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for key in ("loss", "ce", "kd", "acc", "tau", "lr", "grad_norm", "ctx_tokens_per_s", "block_tokens_per_s",
+                "data_wait_frac", "peak_mem_gb", "recompiles"):
+        assert key in recs[0], key
+    assert len(recs[0]["acc"]) == cfg.block_size - 1 and 1 <= recs[-1]["tau"] <= cfg.block_size
+    final = json.loads((run / "metrics.json").read_text())
+    assert final["steps"] == 4 and final["tokens_per_s"] > 0 and "loss" in final and "tau" in final
+    conf = json.loads((run / "config.json").read_text())
+    assert conf["world_size"] == 2 and conf["drafter"]["dflash_config"]["block_size"] == 8
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step-00000002", "step-00000004"]
+    # the drafter only, with Qwen3 names: no target embedding or lm_head
+    keys = set(load_file(str(run / "checkpoints/step-00000004/model.safetensors")))
+    assert "fc.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+
+
+def test_two_processes_equal_one_with_accumulation(two_process_run, counting, tmp_path):
+    """W=2 x A=1 and W=1 x A=2 consume the same micro-batches: same losses, same weights."""
+    cfg2, _ = two_process_run
+    target, store = counting
+    cfg1 = _cfg(target, store, tmp_path / "one", steps=4, grad_accum=2)
+    launch_train(cfg1)
+    a, b = _metrics(cfg2.out), _metrics(cfg1.out)
+    for x, y in zip(a, b):
+        assert x["samples"] == y["samples"]
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["tau"] == pytest.approx(y["tau"], rel=1e-6)
+    w2 = load_file(str(Path(cfg2.out) / "checkpoints/step-00000004/model.safetensors"))
+    w1 = load_file(str(Path(cfg1.out) / "checkpoints/step-00000004/model.safetensors"))
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4), k
+
+
+def test_resume_two_process_run_on_one_process(two_process_run, counting, tmp_path):
+    import shutil
+
+    cfg2, _ = two_process_run
+    run = tmp_path / "run"
+    shutil.copytree(cfg2.out, run)
+    target, store = counting
+    cfg = _cfg(target, store, run, steps=6, resume=True, grad_accum=2)
+    launch_train(cfg)
+    recs = _metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    state = torch.load(run / "checkpoints/step-00000006/train_state.pt", weights_only=True)
+    assert state["world_size"] == 1 and state["step"] == 6
+    # the position moved on by exactly the samples of steps 5 and 6
+    before = torch.load(Path(cfg2.out) / "checkpoints/step-00000004/train_state.pt", weights_only=True)
+    moved = state["data"]["samples_consumed"] - before["data"]["samples_consumed"]
+    assert state["data"]["epoch"] != before["data"]["epoch"] or moved == recs[4]["samples"] + recs[5]["samples"]
+
+
+def test_loss_falls_and_tau_rises(counting, tmp_path):
+    target, store = counting
+    cfg = _cfg(target, store, tmp_path / "run", steps=40, lr=1e-2, warmup_steps=2, token_budget=512, num_anchors=16)
+    final = launch_train(cfg)
+    recs = _metrics(cfg.out)
+    first = recs[:5]
+    last = recs[-5:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "loss") < mean(first, "loss") - 0.8
+    assert mean(last, "tau") > mean(first, "tau") + 0.05
+    assert final["steps"] == 40 and final["tau"] == recs[-1]["tau"]
+
+
+def test_kill_and_resume_is_exact(counting, tmp_path):
+    target, store = counting
+    cwd = tmp_path / "cwd"
+    ref = _cfg(target, store, tmp_path / "ref", steps=30, save_every=5)
+    launch_train(ref)
+    expected = [(r["step"], r["loss"], r["tau"]) for r in _metrics(ref.out)]
+
+    cfg = _cfg(target, store, tmp_path / "killed", steps=30, save_every=5)
+    proc = subprocess.Popen(DFLASH + _args(cfg, cwd), env=_env(), cwd=cwd, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    metrics = Path(cfg.out) / "metrics.jsonl"
+    deadline = time.time() + 240
+    killed_at = None
+    while time.time() < deadline and proc.poll() is None:
+        if (Path(cfg.out) / "checkpoints/step-00000005").is_dir() and metrics.is_file():
+            lines = metrics.read_text().splitlines()
+            if len(lines) >= 7:
+                killed_at = len(lines)
+                os.killpg(proc.pid, signal.SIGKILL)  # the run and its DataLoader workers, mid-step
+                break
+        time.sleep(0.01)
+    proc.wait(timeout=60)
+    assert killed_at is not None, "the run finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
+    assert killed_at < 30
+
+    resume = _cfg(target, store, cfg.out, steps=30, save_every=5, resume=True)
+    p = subprocess.run(DFLASH + _args(resume, cwd), env=_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [(r["step"], r["loss"], r["tau"]) for r in _metrics(cfg.out)]
+    assert [g[0] for g in got] == list(range(1, 31))
+    for (s, l1, t1), (_, l2, t2) in zip(expected, got):
+        assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-7), f"step {s}"
+        assert t1 == pytest.approx(t2, rel=1e-9), f"step {s}"
+
+
+def test_mismatched_store_is_refused(counting, tmp_path):
+    from helpers import make_tiny_target
+
+    _, store = counting
+    other = make_tiny_target(tmp_path, hidden_size=32, name="other")
+    with pytest.raises(StoreError, match="hidden size"):
+        launch_train(_cfg(other, store, tmp_path / "run"))
+    target, _ = counting
+    with pytest.raises(StoreError, match="target_layer_ids"):
+        launch_train(_cfg(target, store, tmp_path / "run", target_layers=[0, 3]))
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_user_errors(counting, tmp_path):
+    target, store = counting
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "something").write_text("x")
+    with pytest.raises(ConfigError, match="--resume"):
+        launch_train(_cfg(target, store, run))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cpu:N"):
+            launch_train(_cfg(target, store, tmp_path / "gpu", gpus="0,1"))
+
+
+def test_mask_token_choice(counting):
+    from transformers import AutoTokenizer
+
+    from dflash.preflight import resolve_mask_token
+    from dflash.store import open_store
+
+    target, store = counting
+    s = open_store(store)
+    n = len(AutoTokenizer.from_pretrained(target))
+    assert resolve_mask_token(None, str(target), n + 8, s) == (n, "first unused embedding row")
+    assert resolve_mask_token(5, str(target), n + 8, s) == (5, "configured")
+    with pytest.raises(ConfigError, match="outside"):
+        resolve_mask_token(n + 8, str(target), n + 8, s)
+    # no padding row, no mask or reserved token: the user has to choose, never an in-use word
+    with pytest.raises(ConfigError, match="--mask-token-id"):
+        resolve_mask_token(None, str(target), n, s)
