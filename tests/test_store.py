@@ -105,7 +105,9 @@ def test_bf16_input_keeps_bits_and_no_topk(tmp_path):
     create_or_check_manifest(root, manifest(topk=0))
     x = torch.randn(9, W).bfloat16()
     with ShardWriter(root, 0, hidden_width=W, num_layers=L, topk=0) as w:
-        w.append(5, 5, torch.arange(9), torch.ones(9), x)
+        staging = x.clone()  # a caller may reuse its (pinned) staging tensor right after append
+        w.append(5, 5, torch.arange(9), torch.ones(9), staging)
+        staging.zero_()
         w.finalize()
     assert not (root / "shard-00000" / "topk_ids").exists()
     r = open_store(root).read(5)

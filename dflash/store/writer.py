@@ -87,6 +87,32 @@ def encode_hidden(hidden, hidden_dtype: str, num_layers: int) -> dict[str, np.nd
     }
 
 
+class _Rows:
+    """A growable token-major buffer for one array.  append() copies (callers may reuse their tensors);
+    take(k) hands out the first k rows for good and moves the rest to a fresh buffer."""
+
+    def __init__(self, dtype: np.dtype, row: tuple, capacity: int):
+        self.a, self.n = np.empty((capacity, *row), dtype), 0
+
+    def append(self, x: np.ndarray) -> None:
+        if self.n + len(x) > len(self.a):
+            grown = np.empty((max(2 * len(self.a), self.n + len(x)), *self.a.shape[1:]), self.a.dtype)
+            grown[: self.n] = self.a[: self.n]
+            self.a = grown
+        self.a[self.n : self.n + len(x)] = x
+        self.n += len(x)
+
+    def view(self) -> np.ndarray:
+        return self.a[: self.n]
+
+    def take(self, k: int) -> np.ndarray:
+        head, rest = self.a[:k], self.a[k : self.n]
+        self.a = np.empty_like(self.a)
+        self.a[: len(rest)] = rest
+        self.n = len(rest)
+        return head
+
+
 class ShardWriter:
     """Append samples to `STORE/shard-<shard_index>`; exactly one process may hold a given shard."""
 
@@ -129,18 +155,19 @@ class ShardWriter:
         self._ids = set(c.index.column("sample_id").to_pylist())
         self._rows = set(c.index.column("source_row").to_pylist())
         self._cleanup(c)
+        # bounded memory between commits: write whole objects every ~256 MB of hidden states
+        self._flush_tokens = flush_tokens or self.S * max(1, (256 * 2**20) // (self.S * row_bytes))
         # buffer: token rows [_buf_start, _buf_start + _buffered) not yet in whole Zarr objects
-        self._buf: dict[str, list[np.ndarray]] = {n: [] for n in self.specs}
+        cap = self._flush_tokens + self.S
+        self._buf = {n: _Rows(dtype, row, cap) for n, (dtype, row) in self.specs.items()}
         self._buf_start, self._buffered = c.zarr_end, c.end - c.zarr_end
         if c.tail is not None:
             for n, a in layout.tail_arrays(layout.read_ipc(c.tail)).items():
-                self._buf[n] = [a]
+                self._buf[n].append(a)
         self._pending: list[dict] = []
         self._pending_ids: set[int] = set()
         self._since_commit = 0
         self._unsynced: set[Path] = set()
-        # bounded memory between commits: write whole objects every ~256 MB of hidden states
-        self._flush_tokens = flush_tokens or self.S * max(1, (256 * 2**20) // (self.S * row_bytes))
         if not self.complete and shard_status(self.root, self.shard).get("status") != "running":
             mark_shard(self.root, self.shard, "running")
 
@@ -263,13 +290,6 @@ class ShardWriter:
         elif self._buffered >= self._flush_tokens:
             self._write_objects()
 
-    def _buffer(self, name: str) -> np.ndarray:
-        parts = self._buf[name]
-        if len(parts) != 1:
-            dtype, row = self.specs[name]
-            parts[:] = [np.concatenate(parts) if parts else np.empty((0, *row), dtype)]
-        return parts[0]
-
     def _write_objects(self, final: bool = False) -> None:
         """Write the buffered whole objects (or, when final, everything) to Zarr, one slice per array.
 
@@ -282,8 +302,7 @@ class ShardWriter:
         lo, hi = self._buf_start, self._buf_start + n
         slices = {}
         for name in self.arrays:
-            data = self._buffer(name)
-            slices[name], self._buf[name] = data[:n], [data[n:]]
+            slices[name] = self._buf[name].take(n)  # never written again: safe for the I/O thread
             self._unsynced.add(self.dir / name / "zarr.json")
             for k in range(lo // self.S, (hi - 1) // self.S + 1):
                 self._unsynced.add(self._object_path(name, k))
@@ -333,7 +352,7 @@ class ShardWriter:
         self._sync()
         end = self.num_tokens
         if self._buffered:
-            tail = layout.tail_table({n: self._buffer(n) for n in self.specs}, self._buf_start, end)
+            tail = layout.tail_table({n: self._buf[n].view() for n in self.specs}, self._buf_start, end)
             atomic_write_bytes(layout.tail_path(self.dir, end), layout.to_ipc_bytes(tail), self.durable)
         seg = pa.Table.from_pylist(self._pending, schema=layout.index_schema(self.specs))
         seg = layout.with_meta(seg, end=end, zarr_end=self._buf_start)
