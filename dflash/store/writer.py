@@ -7,8 +7,10 @@ Every array of a shard is token-major and uses the Zarr v3 sharding codec with o
 object by read-modify-write of the whole file (LocalStore replaces it via tmp + rename, other stores may
 not), so a design that keeps appending into a half-filled object would rewrite committed bytes.  Instead:
 
-1. Appends go to an in-memory buffer.  Only *whole* objects (`S` tokens starting at a multiple of `S`)
-   are written to Zarr, each exactly once, in one big contiguous slice per array.
+1. Appends are copied into an in-memory buffer.  Only *whole* objects (`S` tokens starting at a
+   multiple of `S`) are written to Zarr, each exactly once, in one big contiguous slice per array, by one
+   I/O thread (Zarr and numpy only) so that the caller's GPU work overlaps the writes; at most one write
+   is in flight, and a commit waits for it.
 2. `commit()` (every `commit_every_tokens` appended tokens, and on close/finalize) makes everything
    appended so far durable, in this order:
      a. write the whole objects still buffered; fsync every object and metadata written since the last
@@ -36,6 +38,8 @@ to ~0.80 of their size at ~0.5 GB/s encode and decode, slower than precompute pr
 GB/s per GPU) and slower than training reads them, so `hidden` is stored uncompressed by default
 (`hidden_compressor="zstd"` turns it on); ids, masks and top-k use blosc-zstd with byte shuffle (~0.6).
 Checksums are xxh3-64 (~20 GB/s), one per sample per array.  Local filesystems only (fsync).
+Measured on the H200 host (16 cores, local disk, zarr 3.4, bf16, 40 KB/token, fsync on): ~14K tok/s
+(0.6 GB/s) appended+committed by one writer without overlap; Store.read ~22K tok/s per process.
 """
 
 from __future__ import annotations
