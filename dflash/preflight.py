@@ -30,6 +30,7 @@ class Setup:
     spec: LoaderSpec
     mask_token_id: int
     mask_token_source: str
+    eval_store: object = None  # held-out store for --eval-every
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
@@ -190,6 +191,13 @@ def preflight(cfg: TrainConfig) -> Setup:
     if cfg.kd_weight > 0 and not store.topk:
         raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
                           "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
+    eval_store = None
+    if cfg.eval_every:
+        if not cfg.eval_store:
+            raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
+        eval_store = open_store(cfg.eval_store)
+        compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.target),
+                         target_layer_ids=store.target_layer_ids)
     vocab_rows = int(identity.get("vocab_size") or 0)
     mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store)
     dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
@@ -209,7 +217,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
     )
-    return Setup(cfg, store, identity, dcfg, spec, mask_id, source)
+    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store)
 
 
 __all__ = ["Setup", "preflight", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]

@@ -63,8 +63,9 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
     if world > 1 and cfg.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in raw.layers:
-            fully_shard(layer)
+        # One FSDP group for the whole drafter: each layer's context K/V projection is called from the
+        # drafter's forward (outside the layer's own forward), so per-layer groups would not be gathered
+        # in time. Drafters are a few layers; one all-gather per step is cheap.
         fully_shard(raw)
     elif world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -87,30 +88,23 @@ def _optimizer(raw, cfg: TrainConfig, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **kw)
 
 
-def _state_dicts(raw, optimizer, fsdp: bool):
-    """Full (unsharded) model and optimizer state; collective under FSDP2, so every rank calls it."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+def _state_dicts(raw, optimizer):
+    """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and a
+    single process (so a checkpoint resumes under any of them); collective under FSDP2: all ranks call."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(raw, options=opts), get_optimizer_state_dict(raw, optimizer, options=opts)
-    return raw.state_dict(), optimizer.state_dict()
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(raw, options=opts), get_optimizer_state_dict(raw, optimizer, options=opts)
 
 
-def _load_state(raw, optimizer, model_state, optim_state, fsdp: bool):
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+def _load_state(raw, optimizer, model_state, optim_state):
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(raw, model_state, options=opts)
-        set_optimizer_state_dict(raw, optimizer, optim_state, options=opts)
-    else:
-        missing, unexpected = raw.load_state_dict(model_state, strict=False)
-        if unexpected or [k for k in missing if "rotary" not in k]:
-            raise ConfigError(f"checkpoint weights do not fit this drafter (missing {missing}, unexpected {unexpected}).")
-        optimizer.load_state_dict(optim_state)
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw, model_state, options=opts)
+    set_optimizer_state_dict(raw, optimizer, optim_state, options=opts)
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -157,6 +151,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     setup = preflight(cfg)
     run = Path(cfg.out)
     fsdp = world > 1 and cfg.parallel == "fsdp"
+    if fsdp and cfg.eval_every:
+        raise ConfigError("--eval-every needs the whole drafter in one process; with --parallel fsdp evaluate "
+                          "checkpoints with `dflash eval` instead.")
     resume_from = None
     if rank == 0:
         prepare_run_dir(cfg)
@@ -175,7 +172,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
                 f"checkpoint {resume_from} was trained with a different drafter (block size, layers, target "
                 "layers or mask token); resume with the original options or start a new --out directory."
             )
-        _load_state(raw, optimizer, model_state, train_state["optimizer"], fsdp)
+        _load_state(raw, optimizer, model_state, train_state["optimizer"])
         step = int(train_state["step"])
         epoch, samples_done = int(train_state["data"]["epoch"]), int(train_state["data"]["samples_consumed"])
         torch.set_rng_state(train_state["rng"]["cpu"])
@@ -270,11 +267,13 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             "peak_mem_gb": _peak_mem_gb(device),
             "recompiles": _compile_count() - compiles0,
         }
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == total):
+            rec.update(_offline_eval(setup, raw, embed, head, rank))
         if logger:
             logger.log(rec)
         last = step == total
         if (cfg.save_every and step % cfg.save_every == 0) or last:
-            model_state, optim_state = _state_dicts(raw, optimizer, fsdp)
+            model_state, optim_state = _state_dicts(raw, optimizer)
             if rank == 0:
                 rng = {"cpu": torch.get_rng_state()}
                 if device.type == "cuda":
@@ -289,6 +288,17 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         final = logger.finish(tokens_total / time_total if time_total else 0.0)
     del it, loader
     return final
+
+
+def _offline_eval(setup: Setup, raw, embed, head, rank: int) -> dict:
+    """Offline tau on the held-out store, on rank 0 (the others wait for it at the next all-reduce)."""
+    if rank != 0:
+        return {}
+    from dflash.evaluate import offline_tau
+
+    res = offline_tau(raw, embed, head, setup.eval_store, num_anchors=setup.cfg.num_anchors, seed=setup.cfg.seed,
+                      token_budget=setup.spec.token_budget, block_budget=setup.spec.block_budget, progress=False)
+    return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
 
 
 class _Logger:

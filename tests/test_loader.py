@@ -121,7 +121,7 @@ def test_ranks_disjoint_and_covering():
 def store(tmp_path_factory):
     from train_fixtures import build_counting_store
 
-    target, store = build_counting_store(tmp_path_factory.mktemp("loader"), n=24)
+    target, store = build_counting_store(tmp_path_factory.mktemp("loader"), n=24, teach=False)
     from dflash.store import open_store
 
     return open_store(store)

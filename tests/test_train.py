@@ -150,7 +150,8 @@ def test_resume_two_process_run_on_one_process(two_process_run, counting, tmp_pa
 
 def test_loss_falls_and_tau_rises(counting, tmp_path):
     target, store = counting
-    cfg = _cfg(target, store, tmp_path / "run", steps=40, lr=1e-2, warmup_steps=2, token_budget=512, num_anchors=16)
+    cfg = _cfg(target, store, tmp_path / "run", steps=40, lr=1e-2, warmup_steps=2, token_budget=512, num_anchors=16,
+               eval_every=20, eval_store=str(store))
     final = launch_train(cfg)
     recs = _metrics(cfg.out)
     first = recs[:5]
@@ -159,6 +160,8 @@ def test_loss_falls_and_tau_rises(counting, tmp_path):
     assert mean(last, "loss") < mean(first, "loss") - 0.8
     assert mean(last, "tau") > mean(first, "tau") + 0.05
     assert final["steps"] == 40 and final["tau"] == recs[-1]["tau"]
+    # offline tau on the held-out store at steps 20 and 40 (here the training store itself)
+    assert "eval_tau" not in recs[0] and recs[39]["eval_tau"] > recs[19]["eval_tau"] >= 1.0
 
 
 def test_kill_and_resume_is_exact(counting, tmp_path):

@@ -49,11 +49,13 @@ def teach_counting(target: Path, rows: list[dict], steps: int = 40, seed: int = 
     return target
 
 
-def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4) -> tuple[Path, Path]:
+def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, teach: bool = True) -> tuple[Path, Path]:
     """(target dir, store dir): stage one run for real (dflash.precompute) over counting conversations."""
     tmp = Path(tmp)
     rows = counting_conversations(n)
-    target = teach_counting(make_tiny_target(tmp), rows)
+    target = make_tiny_target(tmp)
+    if teach:
+        teach_counting(target, rows)
     data = tmp / "counting.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp / "store"
