@@ -12,11 +12,10 @@ RNG states go into every checkpoint; the data plan is a function of (seed, epoch
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,9 +26,9 @@ import torch.distributed as dist
 from dflash import checkpoint as ckpt
 from dflash import loader as L
 from dflash import masks
-from dflash.config import TrainConfig, to_dict
-from dflash.errors import ConfigError, StoreError
-from dflash.loss import block_loss, default_gamma
+from dflash.config import TrainConfig
+from dflash.errors import ConfigError
+from dflash.loss import block_loss
 from dflash.preflight import Setup, prepare_run_dir, preflight, truncate_metrics
 
 __all__ = ["preflight", "run_training", "lr_at"]
@@ -190,7 +189,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
     logger = _Logger(cfg, setup, rank, world, step, total) if rank == 0 else None
-    compiles0 = _compile_count()
+    # Compilations are expected the first time each (S, Q) shape pair appears (a short list, see
+    # loader.shape_set); any other compilation is a recompile, and should stay at zero.
+    compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
     it = iter(loader)
     B = cfg.block_size
     t_last = time.perf_counter()
@@ -201,6 +202,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         step_epoch, step_first, _ = next(step_plan)
         micro = [_to_device(next(it), device) for _ in range(cfg.grad_accum)]
         t_data = time.perf_counter() - t0
+        new_shapes = {tuple(m["labels"].shape) + (m["ctx_positions"].shape[1],) for m in micro} - shapes_seen
+        shapes_seen |= new_shapes
+        compiles_before = _compile_count()
         # The step's loss is the weighted mean over every label of every process's micro-batches.
         denom = torch.stack([m["loss_weight"].sum() for m in micro]).sum().double()
         if world > 1:
@@ -215,16 +219,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             sync = ddp.no_sync() if ddp is not None and not last_micro else nullcontext()
             if fsdp:
                 raw.set_requires_gradient_sync(last_micro)
-            block_mask = masks.to_block_mask(m["mask"])
             with sync:
-                with autocast:
-                    block_embeds = torch.nn.functional.embedding(m["block_input_ids"], embed)
-                    hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
-                out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=B,
-                                 denom=float(denom) / world,  # DDP / FSDP average over processes
-                                 topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"),
-                                 kd_weight=cfg.kd_weight, kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk)
-                out.loss.backward()
+                out = _forward_backward(model, m, embed, head, autocast, cfg, denom=float(denom) / world)
             stats += torch.cat([
                 torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                              out.tau_sum.double(), out.num_blocks.double()]),
@@ -245,6 +241,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         epoch, samples_done = step_epoch, int(plan.samples_before[end])
         now = time.perf_counter()
         dt, t_last = now - t_last, now
+        if not new_shapes:
+            recompiles += _compile_count() - compiles_before
         s = stats.tolist()
         ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
         correct, valid = s[8 : 8 + B], s[8 + B :]
@@ -265,29 +263,50 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             "samples": int(nsamp),
             "data_wait_frac": t_data / dt,
             "peak_mem_gb": _peak_mem_gb(device),
-            "recompiles": _compile_count() - compiles0,
+            "compiles": _compile_count() - compiles0,
+            "recompiles": recompiles,
         }
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == total):
             rec.update(_offline_eval(setup, raw, embed, head, rank))
         if logger:
             logger.log(rec)
-        last = step == total
-        if (cfg.save_every and step % cfg.save_every == 0) or last:
-            model_state, optim_state = _state_dicts(raw, optimizer)
-            if rank == 0:
-                rng = {"cpu": torch.get_rng_state()}
-                if device.type == "cuda":
-                    rng["cuda"] = torch.cuda.get_rng_state(device)
-                train_state = {"optimizer": optim_state, "step": step, "world_size": world,
-                               "data": {"epoch": epoch, "samples_consumed": samples_done}, "rng": rng}
-                ckpt.save_checkpoint(run, step, model_state, setup.drafter_config.to_hf_dict(), train_state,
-                                     setup.record(world), keep=cfg.keep_checkpoints)
-            del model_state, optim_state
-            _barrier(world)
+        if (cfg.save_every and step % cfg.save_every == 0) or step == total:
+            _save(run, setup, raw, optimizer, step, {"epoch": epoch, "samples_consumed": samples_done},
+                  rank, world, device)
     if logger:
         final = logger.finish(tokens_total / time_total if time_total else 0.0)
     del it, loader
     return final
+
+
+def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, denom: float):
+    """Drafter forward on one micro-batch, chunked lm_head loss, backward; returns the LossOutput.
+
+    `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
+    average over: the gradient of the global weighted mean."""
+    block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata came from the workers
+    with autocast:
+        block_embeds = torch.nn.functional.embedding(m["block_input_ids"], embed)
+        hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+    out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
+                     topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
+                     kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk)
+    out.loss.backward()
+    return out
+
+
+def _save(run: Path, setup: Setup, raw, optimizer, step: int, data: dict, rank: int, world: int,
+          device: torch.device) -> None:
+    """One checkpoint (all ranks gather state, rank 0 writes), then everyone waits for the write."""
+    model_state, optim_state = _state_dicts(raw, optimizer)
+    if rank == 0:
+        rng = {"cpu": torch.get_rng_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        train_state = {"optimizer": optim_state, "step": step, "world_size": world, "data": data, "rng": rng}
+        ckpt.save_checkpoint(run, step, model_state, setup.drafter_config.to_hf_dict(), train_state,
+                             setup.record(world), keep=setup.cfg.keep_checkpoints)
+    _barrier(world)
 
 
 def _offline_eval(setup: Setup, raw, embed, head, rank: int) -> dict:
@@ -313,6 +332,10 @@ class _Logger:
         self.file = open(self.run / "metrics.jsonl", "a")
         self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        self.bar.write(
+            f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
+            f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
+            f"Q {setup.spec.q_shapes}", file=sys.stderr)
         (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
 
     def log(self, rec: dict) -> None:
@@ -332,6 +355,11 @@ class _Logger:
 
     def finish(self, tokens_per_s: float) -> dict:
         self.bar.close()
+        if self.records:
+            r = self.records[-1]
+            print(f"trained {r['step']} steps: loss {r['loss']:.4f}, tau {r['tau']:.3f}, {tokens_per_s:,.0f} "
+                  f"context tokens/s, recompiles after warm-up {r.get('recompiles', 0)}; run in {self.run}",
+                  file=sys.stderr)
         self.tb.close()
         self.file.close()
         last = self.records[-1] if self.records else {}
@@ -344,6 +372,7 @@ class _Logger:
             "tau_last10": sum(r["tau"] for r in tail) / max(1, len(tail)),
             "acc": last.get("acc"),
             "tokens_per_s": tokens_per_s,
+            "compiles": last.get("compiles"),
             "recompiles": last.get("recompiles"),
         }
         tmp = self.run / ".metrics.json.tmp"
