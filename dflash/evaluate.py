@@ -318,18 +318,24 @@ def run_eval(cfg: EvalConfig) -> dict:
         raise ConfigError("give --run RUN (a training run directory or one of its checkpoints).")
     if not cfg.store and not cfg.prompts:
         raise ConfigError("give --store HELDOUT_STORE (offline tau) and/or --prompts PATH (online decoding).")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if cfg.dtype not in dtypes:
+        raise ConfigError(f"eval dtype {cfg.dtype!r} is not one of fp32, bf16.")
     device = _device(cfg.device)
     drafter, ckpt, train_config = load_training_drafter(cfg.run)
     target_dir = _target_of(cfg, train_config, ckpt)
-    _check_target(drafter.config, target_identity(target_dir), target_dir)
+    identity = target_identity(target_dir)
+    _check_target(drafter.config, identity, target_dir)
     torch.manual_seed(cfg.seed)
     result: dict = {"checkpoint": str(ckpt), "target": target_dir}
     lossless_failure = None
 
     if cfg.store:
-        from dflash.store import open_store
+        from dflash.store import compare_manifest, open_store
+        from dflash.target_io import tokenizer_hash
 
         store = open_store(cfg.store)
+        compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
         embed, head = load_embed_and_head(target_dir)
         drafter.to(device=device, dtype=torch.float32)
         result["offline"] = offline_tau(drafter, embed.float(), head.float(), store, num_anchors=cfg.num_anchors,
@@ -338,9 +344,6 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.prompts:
         from dflash.target import load_target, load_tokenizer
 
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        if cfg.dtype not in dtypes:
-            raise ConfigError(f"eval dtype {cfg.dtype!r} is not one of fp32, bf16.")
         dtype = dtypes[cfg.dtype]
         tokenizer = load_tokenizer(target_dir)
         target = load_target(target_dir, dtype, device)
@@ -379,4 +382,4 @@ def run_eval(cfg: EvalConfig) -> dict:
 
 
 __all__ = ["offline_tau", "online_eval", "block_acceptance", "summarize", "load_prompts", "run_eval",
-           "write_outputs", "DFlashError"]
+           "write_outputs"]
