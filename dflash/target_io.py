@@ -102,12 +102,21 @@ def tokenizer_hash(target_dir: str | Path) -> str:
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """As many layers as the drafter has, evenly spaced from 1 to num_target_layers - 3 (DESIGN s.2)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    lo, hi = 1, max(1, num_target_layers - 3)
-    step = (hi - lo) / (num_draft_layers - 1)
-    return [int(round(lo + i * step)) for i in range(num_draft_layers)]
+    """As many layers as the drafter has, evenly spaced from 1 to num_target_layers - 3 (DESIGN s.2).
+
+    Shallow targets (the embedded default has 4 layers) cannot hold that many distinct layers in
+    [1, L-3]; then the whole depth [0, L-1] is used so the layers stay distinct.
+    """
+    n, L = num_draft_layers, num_target_layers
+    if n == 1:
+        return [L // 2]
+    lo, hi = 1, L - 3
+    if hi - lo + 1 < n:
+        lo, hi = 0, L - 1
+    if hi - lo + 1 < n:
+        return list(range(L))
+    step = (hi - lo) / (n - 1)
+    return [int(round(lo + i * step)) for i in range(n)]
 
 
 def _safetensors_index(p: Path) -> dict[str, str]:
