@@ -1,0 +1,313 @@
+"""Precompute throughput at Qwen3-8B shape: the target's forward alone against capture (hooks + chunked
+top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores; then two processes
+(one per GPU, one shard each) at once.
+
+    python bench/precompute_bench.py [--tiny] [--tokens 150000]
+
+The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (no 16 GB checkpoint to
+save and reload), driven by `dflash.target.Capture` and `dflash.precompute`'s batch planner and write path
+(`plan_batches`, `_write_batch`) on synthetic token sequences of 300-4096 tokens.  Results:
+$OUT/precompute.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import shutil
+import time
+from pathlib import Path
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import numpy as np
+import torch
+
+from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
+
+TOPK = 8
+
+
+def build_target(tiny: bool, device: str):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    d = dims(tiny)
+    cfg = Qwen3Config(hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"],
+                      num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
+                      head_dim=d["head_dim"], intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+                      max_position_embeddings=40960, tie_word_embeddings=False, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32  # target.resolve_dtype
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # parameters are created and initialised on the GPU
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval().requires_grad_(False)
+
+
+def sequences(tiny: bool, tokens: int, vocab: int, seed: int = 0):
+    """Synthetic rendered samples (dflash.data.Rendered) of 300-4096 tokens (20-200 tiny)."""
+    from dflash.data import Rendered
+
+    rng = np.random.default_rng(seed)
+    lo, hi = (20, 200) if tiny else (300, 4096)
+    out, total = [], 0
+    while total < tokens:
+        n = int(rng.integers(lo, hi + 1))
+        ids = rng.integers(0, vocab, n).tolist()
+        mask = [0] * (n // 5) + [1] * (n - n // 5)
+        out.append(Rendered(input_ids=ids, loss_mask=mask, truncated=False))
+        total += n
+    return out
+
+
+def batches_of(samples, token_budget: int):
+    """[(members [(row, Rendered)], padded ids [B, T], lengths [B])] in precompute's batch plan."""
+    from dflash.precompute import plan_batches
+
+    out = []
+    for idx in plan_batches([len(s.input_ids) for s in samples], token_budget):
+        members = [(i, samples[i]) for i in idx]
+        lengths = [len(s.input_ids) for _, s in members]
+        ids = torch.zeros(len(members), max(lengths), dtype=torch.long)
+        for b, (_, s) in enumerate(members):
+            ids[b, : lengths[b]] = torch.tensor(s.input_ids)
+        out.append((members, ids, torch.tensor(lengths)))
+    return out
+
+
+def write_batch(writer, capture, members, device, hidden_dtype: str) -> None:
+    """precompute's own write step when its signature is the one this bench knows, else the same steps."""
+    from dflash import precompute
+
+    fn = getattr(precompute, "_write_batch", None)
+    if fn is not None and list(inspect.signature(fn).parameters) == [
+            "writer", "capture", "members", "todo", "device", "pad_id", "hidden_dtype"]:
+        todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
+        return fn(writer, capture, members, todo, device, 0, hidden_dtype)
+    lengths = [len(rd.input_ids) for _, rd in members]
+    ids = torch.zeros(len(members), max(lengths), dtype=torch.long)
+    for b, (_, rd) in enumerate(members):
+        ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
+    out = capture(ids.to(device), torch.tensor(lengths, device=device))
+    hidden = out["hidden"]
+    if hidden_dtype == "bf16":
+        hidden = hidden.to(torch.bfloat16).cpu()
+    tid, tlp = out["topk_ids"].cpu(), out["topk_logprobs"].cpu()
+    for b, (r, rd) in enumerate(members):
+        n = lengths[b]
+        writer.append(r, r, rd.input_ids, rd.loss_mask, hidden[b, :n], tid[b, :n], tlp[b, :n])
+
+
+def make_store(path: Path, tiny: bool, hidden_dtype: str, num_shards: int) -> None:
+    from dflash.store import create_or_check_manifest
+
+    d = dims(tiny)
+    create_or_check_manifest(path, {
+        "target": {"config_hash": "bench", "hidden_size": d["hidden_size"], "num_hidden_layers": d["num_hidden_layers"],
+                   "vocab_size": d["vocab_size"]},
+        "tokenizer_hash": "bench", "dataset_fingerprint": "bench", "target_layer_ids": d["target_layer_ids"],
+        "hidden_dtype": hidden_dtype, "topk": TOPK, "max_length": 4096, "num_shards": num_shards,
+    }, overwrite=True)
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str) -> float:
+    """Seconds to capture and write every batch into one shard, finalize (fsync, index) included."""
+    from dflash.store import ShardWriter
+
+    d = dims(tiny)
+    L = len(d["target_layer_ids"])
+    sync(device)
+    t = time.perf_counter()
+    with ShardWriter(store, shard, hidden_width=L * d["hidden_size"], num_layers=L, hidden_dtype=hidden_dtype,
+                     topk=TOPK) as w:
+        for members, _, _ in batches:
+            write_batch(w, capture, members, device, hidden_dtype)
+        w.finalize({"bench": True})
+    sync(device)
+    return time.perf_counter() - t
+
+
+def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue) -> None:
+    """One of the two simultaneous shard processes: its own GPU, its own shard, half of the samples."""
+    try:
+        from dflash.target import Capture
+
+        device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(device)
+        d = dims(tiny)
+        t = time.perf_counter()
+        model = build_target(tiny, device)
+        capture = Capture(model, d["target_layer_ids"], topk=TOPK, lm_head_chunk=4096)
+        samples = sequences(tiny, tokens, d["vocab_size"])
+        mine = [s for i, s in enumerate(samples) if i % 2 == rank]
+        batches = batches_of(mine, 1024 if tiny else 16384)
+        capture(batches[0][1].to(device), batches[0][2].to(device))  # warm-up
+        sync(device)
+        init_s = time.perf_counter() - t
+        barrier.wait()
+        t0 = time.time()
+        dt = capture_and_write(capture, batches, Path(store), rank, tiny, device, "bf16")
+        queue.put({"rank": rank, "tokens": sum(len(s.input_ids) for s in mine), "t0": t0, "t1": time.time(),
+                   "wall_s": dt, "init_s": init_s, "device": device})
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
+
+
+def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | None, timeout: float) -> None:
+    import torch.multiprocessing as mp
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        res.set("two_gpus", {"skipped": f"{torch.cuda.device_count()} GPU visible"})
+        return
+    store = work_dir() / "pc_two"
+    make_store(store, tiny, "bf16", 2)
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(2), ctx.SimpleQueue()
+    procs = [ctx.Process(target=_shard_proc, args=(r, tiny, tokens, str(store), barrier, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out, deadline = [], time.time() + timeout
+    while len(out) < 2 and time.time() < deadline:
+        if not queue.empty():
+            out.append(queue.get())
+        elif all(p.exitcode is not None for p in procs) and queue.empty():
+            break
+        else:
+            time.sleep(0.1)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    errors = [o for o in out if "error" in o]
+    if errors or len(out) < 2:
+        res.set("two_gpus", {"error": errors[0]["error"] if errors else f"only {len(out)} of 2 processes reported "
+                             f"within {timeout:.0f}s", "reports": out})
+    else:
+        total = sum(o["tokens"] for o in out)
+        span = max(o["t1"] for o in out) - min(o["t0"] for o in out)
+        rate = total / span
+        res.set("two_gpus", {
+            "tokens": total, "wall_s": round(span, 2), "tokens_per_s": round(rate),
+            "per_process": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items() if k not in ("t0", "t1")}
+                            for o in sorted(out, key=lambda o: o["rank"])],
+            "one_gpu_tokens_per_s": round(one_gpu_rate) if one_gpu_rate else None,
+            "scaling_vs_1gpu": round(rate / one_gpu_rate, 3) if one_gpu_rate else None,
+            "note": "each process writes its own shard of one store; total = all tokens / (last end - first start)",
+        })
+    shutil.rmtree(store, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per measurement (default 150000; tiny 3000)")
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens per forward batch (precompute's default)")
+    args = ap.parse_args()
+    tiny = tiny_mode(args.tiny)
+    limit = part_limit_s(120)
+    from dflash.config import PrecomputeConfig
+    from dflash.target import Capture
+
+    tokens = args.tokens or (3000 if tiny else 150_000)
+    budget = args.token_budget or (1024 if tiny else PrecomputeConfig().token_budget)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(2)
+    d = dims(tiny)
+    res = Results("precompute", tiny=tiny, device=device, tokens_target=tokens, token_budget=budget, topk=TOPK,
+                  target_layer_ids=d["target_layer_ids"], limit_s=limit)
+    t = time.perf_counter()
+    model = build_target(tiny, device)
+    sync(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    res.set("target_build", {"s": round(time.perf_counter() - t, 1), "params": n_params,
+                             "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if device != "cpu" else None})
+    capture = Capture(model, d["target_layer_ids"], topk=TOPK, lm_head_chunk=4096)
+    samples = sequences(tiny, tokens, d["vocab_size"])
+    batches = batches_of(samples, budget)
+    ntok = sum(len(s.input_ids) for s in samples)
+    padded = sum(ids.numel() for _, ids, _ in batches)
+    res.set("workload", {"samples": len(samples), "tokens": ntok, "padded_tokens": padded, "batches": len(batches),
+                         "length_range": [min(len(s.input_ids) for s in samples), max(len(s.input_ids) for s in samples)]})
+
+    # warm-up: kernels, cuBLAS handles, allocator
+    with torch.inference_mode():
+        capture.decoder(input_ids=batches[0][1].to(device), use_cache=False)
+    capture(batches[0][1].to(device), batches[0][2].to(device))
+    sync(device)
+
+    rates = {}
+    with res.guard("forward"):
+        sync(device)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            for _, ids, _ in batches:
+                capture.decoder(input_ids=ids.to(device), use_cache=False)
+        sync(device)
+        dt = time.perf_counter() - t
+        rates["forward"] = ntok / dt
+        res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k)", "s": round(dt, 2),
+                            "tokens_per_s": round(ntok / dt),
+                            "tflops": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
+
+    with res.guard("capture"):
+        sync(device)
+        t = time.perf_counter()
+        for _, ids, lengths in batches:
+            capture(ids.to(device), lengths.to(device))
+        sync(device)
+        dt = time.perf_counter() - t
+        rates["capture"] = ntok / dt
+        res.set("capture", {"what": "forward + hooks on the chosen layers + chunked lm_head top-k (no copy out)",
+                            "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
+                            "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None})
+
+    for hd in ("bf16", "fp8"):
+        key = f"write_{hd}"
+        if elapsed() > 0.75 * limit:
+            res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
+            continue
+        with res.guard(key):
+            store = work_dir() / f"pc_{hd}"
+            make_store(store, tiny, hd, 1)
+            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd)
+            nbytes = dir_bytes(store)
+            from dflash.store import open_store
+
+            committed = len(open_store(store))
+            rates[key] = ntok / dt
+            res.set(key, {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK})",
+                          "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
+                          "ratio_vs_forward": round(rates[key] / rates["forward"], 3) if "forward" in rates else None,
+                          "ratio_vs_capture": round(rates[key] / rates["capture"], 3) if "capture" in rates else None,
+                          "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
+                          "write_gb_per_s": round(nbytes / dt / 1e9, 3)})
+            shutil.rmtree(store, ignore_errors=True)
+
+    del capture, model
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    left = limit - elapsed() - 10
+    if left < 40:
+        res.set("two_gpus", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
+    else:
+        with res.guard("two_gpus"):
+            two_processes(res, tiny, tokens, rates.get("write_bf16"), timeout=left)
+    res.set("wall_s", round(elapsed(), 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,386 @@
+"""One real training step of a Qwen3-8B-shaped 5-layer DFlash drafter on one GPU, against the baseline
+that builds its BlockMask with `create_block_mask` every step.
+
+    python bench/train_step.py [--tiny] [--steps 20] [--warmup 3]
+
+The batches are built by the real loader code (`loader.PackedDataset.build`: anchors, labels, loss weights,
+`masks.mask_metadata` per row on the CPU) over an in-memory stand-in for a store (random hidden states), then
+pinned; each timed step is what `dflash.train` does per micro-batch: copy to the GPU, `masks.to_block_mask`,
+embedding + compiled drafter under bf16 autocast, chunked lm_head + loss (`loss.block_loss`), backward,
+gradient clipping, fused AdamW step.  The baseline is the identical step with the BlockMask made by
+`torch.nn.attention.flex_attention.create_block_mask` from the same mask_mod (bench/ only: the package never
+calls it).  Results: $OUT/train_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import nullcontext
+
+import common  # noqa: F401  (puts the repo root on sys.path)
+import numpy as np
+import torch
+
+from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s, pctl, sync, tiny_mode
+from dflash import loader as L
+from dflash import masks
+from dflash.loss import IGNORE, block_loss
+from dflash.model import DFlashDrafter, DrafterConfig
+
+TILE = masks.TILE
+
+
+class SyntheticStore:
+    """What PackedDataset needs of a Store (sample_ids, lengths, num_supervised, read), with random
+    hidden states sliced from one pool so that building many samples costs no random generation."""
+
+    def __init__(self, lengths, width: int, vocab: int, seed: int = 0, prompt_frac: float = 0.15):
+        rng = np.random.default_rng(seed)
+        self._lengths = np.asarray(lengths, dtype=np.int64)
+        pool = int(self._lengths.max()) * 2
+        g = torch.Generator().manual_seed(seed)
+        self.pool = torch.randn(pool, width, generator=g).to(torch.bfloat16)
+        self.offsets = [int(rng.integers(0, pool - n + 1)) for n in self._lengths]
+        self.ids = [torch.from_numpy(rng.integers(0, vocab - 1, int(n))) for n in self._lengths]
+        self.masks = []
+        for n in self._lengths:
+            m = torch.ones(int(n), dtype=torch.bool)
+            m[: int(prompt_frac * n)] = False  # the prompt is not supervised
+            self.masks.append(m)
+
+    def sample_ids(self):
+        return list(range(len(self._lengths)))
+
+    def lengths(self):
+        return self._lengths
+
+    def num_supervised(self):
+        return np.array([int(m.sum()) for m in self.masks], dtype=np.int64)
+
+    def read(self, sid, fields=None):
+        o, n = self.offsets[sid], int(self._lengths[sid])
+        return {"input_ids": self.ids[sid], "loss_mask": self.masks[sid], "hidden": self.pool[o : o + n]}
+
+
+def split_lengths(rng, total: int, k: int) -> list[int]:
+    """k sample lengths (each within +-25% of total/k) that fill `total` context tokens exactly."""
+    base = total // k
+    lens = [int(base + rng.integers(-base // 4, base // 4 + 1)) for _ in range(k - 1)]
+    lens.append(total - sum(lens))
+    return lens
+
+
+def build_batches(n_batches: int, R: int, S: int, Q: int, k: int, B: int, width: int, vocab: int, seed: int):
+    """n_batches micro-batches of R rows, each row k samples filling S context tokens and Q block tokens,
+    built by loader.PackedDataset.build; also the per-row mask_metadata calls (for timing them)."""
+    rng = np.random.default_rng(seed)
+    row_lengths = [split_lengths(rng, S, k) for _ in range(n_batches * R)]
+    store = SyntheticStore([n for row in row_lengths for n in row], width, vocab, seed)
+    spec = L.LoaderSpec(block_size=B, num_anchors=Q // (B * k), token_budget=S, block_budget=Q, rows_per_batch=R,
+                        mask_token_id=vocab - 1, num_shapes=1, seed=seed)
+    ds = L.PackedDataset(store, spec)
+    calls, orig = [], masks.mask_metadata
+
+    def recording(*a, **kw):
+        calls.append((a, kw))
+        return orig(*a, **kw)
+
+    batches, build_s = [], []
+    masks.mask_metadata = recording  # loader calls masks.mask_metadata through the module
+    try:
+        for i in range(n_batches):
+            rows = [np.arange(k) + (i * R + r) * k for r in range(R)]
+            t = time.perf_counter()
+            batches.append(ds.build(epoch=i, rows=rows, g=i))
+            build_s.append(time.perf_counter() - t)
+    finally:
+        masks.mask_metadata = orig
+    return batches, calls, build_s
+
+
+def pin(b):
+    if isinstance(b, torch.Tensor):
+        return b.pin_memory()
+    if isinstance(b, dict):
+        return {k: pin(v) for k, v in b.items()}
+    return b
+
+
+def to_device(b, device):
+    nb = torch.device(device).type == "cuda"
+    if isinstance(b, torch.Tensor):
+        return b.to(device, non_blocking=nb)
+    if isinstance(b, dict):
+        return {k: to_device(v, device) for k, v in b.items()}
+    return b
+
+
+def create_block_mask_baseline(meta):
+    """The baseline: the same mask_mod, tile classes computed by create_block_mask (bench only)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, Q = meta["q_sample"].shape
+    KV = meta["kv_sample"].shape[-1]
+    return create_block_mask(masks.make_mask_mod(meta), B=R, H=None, Q_LEN=Q, KV_LEN=KV,
+                             device=meta["q_sample"].device, BLOCK_SIZE=TILE)
+
+
+def live_tiles(meta) -> int:
+    return int(meta["kv_num_blocks"].sum()) + int(meta["full_kv_num_blocks"].sum())
+
+
+def step_flops(c: DrafterConfig, R: int, S: int, Q: int, n_labels: int, tiles: int) -> dict:
+    """FLOPs of one training step, by component (see 'formulas' in the result)."""
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    nh, nkv, hd, Ly = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_hidden_layers
+    fc = 2 * R * S * (c.num_features * H) * H
+    per_layer = (2 * R * Q * H * nh * hd            # q_proj (block tokens)
+                 + 2 * 2 * R * (S + Q) * H * nkv * hd  # k_proj, v_proj (context + block tokens)
+                 + 2 * R * Q * nh * hd * H          # o_proj
+                 + 3 * 2 * R * Q * H * I)           # gate, up, down
+    fwd_matmul = fc + Ly * per_layer
+    attn_fwd = Ly * tiles * TILE * TILE * hd * nh * 2 * 2
+    attn = attn_fwd * (1 + 2.5)
+    lm_head = 2 * (2 * n_labels * H * V)  # forward + input gradient; the head is frozen
+    total = 3 * fwd_matmul + attn + lm_head
+    return {"total": total, "drafter_matmul_fwd": fwd_matmul, "drafter_matmul_train": 3 * fwd_matmul,
+            "fc_fwd": fc, "attention_train": attn, "attention_fwd": attn_fwd, "lm_head_train": lm_head,
+            "live_tiles": tiles, "n_labels": n_labels,
+            # fc has no input gradient (the context features are data): 3x overcounts it by one fc forward
+            "total_strict": total - fc}
+
+
+FLOP_FORMULAS = {
+    "total": "3 * drafter_matmul_fwd + attention_train + lm_head_train",
+    "drafter_matmul_fwd": "fc 2*R*S*(L*H)*H + layers * (q 2*R*Q*H*nh*hd + k,v 2*2*R*(S+Q)*H*nkv*hd "
+                          "+ o 2*R*Q*nh*hd*H + mlp 3*2*R*Q*H*I)",
+    "attention_train": "layers * live_tiles * 128*128*hd*nh*2*2 (QK^T and PV) * (1 fwd + 2.5 bwd); live tiles = "
+                       "sum of kv_num_blocks + full_kv_num_blocks over rows (partial + full 128x128 tiles)",
+    "lm_head_train": "2 * 2*n_labels*H*V (forward + input gradient, no weight gradient: frozen); n_labels = "
+                     "block positions with a label (lm_head is applied to those only)",
+    "total_strict": "total minus one fc forward (fc needs no input gradient)",
+    "mfu": "total / step time / 989e12",
+}
+
+
+class Bench:
+    def __init__(self, args, tiny: bool, device: str):
+        self.args, self.tiny, self.device = args, tiny, device
+        d = dims(tiny)
+        self.cfg = DrafterConfig(
+            hidden_size=d["hidden_size"], num_hidden_layers=args.layers, num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
+            intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
+            num_target_layers=d["num_hidden_layers"], target_layer_ids=d["target_layer_ids"],
+            mask_token_id=d["vocab_size"] - 1, block_size=args.block_size)
+        cuda = torch.device(device).type == "cuda"
+        torch.manual_seed(0)
+        with torch.device(device):  # random init straight on the GPU
+            self.raw = DFlashDrafter(self.cfg)
+        self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
+        if self.compiled:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+            self.raw.compile(dynamic=False)  # as dflash.train does: in place, once, in this main thread
+        decay = [p for p in self.raw.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.raw.parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=1e-4, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
+        dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
+        g = torch.Generator(device=device).manual_seed(1)
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        self.embed = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
+        self.head = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
+        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+        self.n_params = sum(p.numel() for p in self.raw.parameters())
+
+    def step(self, batch, make_mask) -> float:
+        """One optimizer step on one micro-batch, as dflash.train runs it; returns the loss."""
+        m = to_device(batch, self.device)
+        denom = m["loss_weight"].sum().double()
+        block_mask = make_mask(m["mask"])
+        with self.autocast:
+            block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
+            hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+        out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
+                         denom=float(denom), chunk=self.args.lm_head_chunk)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return out.loss
+
+    def timed(self, batches, make_mask, n: int) -> dict:
+        from torch._dynamo.utils import counters
+
+        cuda = torch.device(self.device).type == "cuda"
+        frames0, graphs0 = counters["frames"]["total"], counters["stats"]["unique_graphs"]
+        times, peaks, losses, reserved = [], [], [], []
+        for i in range(n):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            sync(self.device)
+            t = time.perf_counter()
+            loss = self.step(batches[i % len(batches)], make_mask)
+            sync(self.device)
+            times.append(time.perf_counter() - t)
+            losses.append(float(loss.detach()))
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated(self.device) / 2**30)
+                reserved.append(torch.cuda.max_memory_reserved(self.device) / 2**30)
+        return {"times": times, "peaks": peaks, "losses": losses, "reserved": reserved,
+                "recompiles": counters["frames"]["total"] - frames0,
+                "new_graphs": counters["stats"]["unique_graphs"] - graphs0}
+
+    def report(self, r: dict, batches, R: int, S: int, Q: int) -> dict:
+        fl = [step_flops(self.cfg, R, S, Q, int((b["labels"] != IGNORE).sum()), live_tiles(b["mask"])) for b in batches]
+        mean = {k: float(np.mean([f[k] for f in fl])) for k in fl[0]}
+        t = median(r["times"])
+        ctx = float(np.mean([b["num_ctx_tokens"] for b in batches]))
+        blk = float(np.mean([b["num_block_tokens"] for b in batches]))
+        return {
+            "steps": len(r["times"]),
+            "step_ms_median": round(t * 1e3, 2),
+            "step_ms_p10": round(pctl(r["times"], 0.1) * 1e3, 2),
+            "step_ms_p90": round(pctl(r["times"], 0.9) * 1e3, 2),
+            "step_ms_all": [round(x * 1e3, 2) for x in r["times"]],
+            "ctx_tokens_per_s": round(ctx / t),
+            "block_tokens_per_s": round(blk / t),
+            "label_tokens_per_s": round(mean["n_labels"] / t),
+            "tflop_per_step": round(mean["total"] / 1e12, 3),
+            "achieved_tflops": round(mean["total"] / t / 1e12, 1),
+            "mfu": round(mean["total"] / t / PEAK_BF16_FLOPS, 4),
+            "mfu_strict": round(mean["total_strict"] / t / PEAK_BF16_FLOPS, 4),
+            "flops_mean_per_step": {k: (round(v / 1e12, 4) if k not in ("live_tiles", "n_labels") else round(v, 1))
+                                    for k, v in mean.items()},
+            "peak_mem_gib_max": round(max(r["peaks"]), 3) if r["peaks"] else None,
+            "peak_mem_gib_min": round(min(r["peaks"]), 3) if r["peaks"] else None,
+            "peak_reserved_gib_max": round(max(r["reserved"]), 3) if r["reserved"] else None,
+            "recompiles_after_warmup": r["recompiles"],
+            "new_graphs_after_warmup": r["new_graphs"],
+            "loss_first_last": [round(r["losses"][0], 4), round(r["losses"][-1], 4)],
+        }
+
+
+def time_fn(fn, device, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: int, args, baseline: bool) -> None:
+    B = bench.cfg.block_size
+    width = bench.cfg.num_features * bench.cfg.hidden_size
+    cuda = torch.device(bench.device).type == "cuda"
+    t = time.perf_counter()
+    batches, calls, build_s = build_batches(args.batches, R, S, Q, k, B, width, bench.cfg.vocab_size, seed=R * 7 + k)
+    if cuda:
+        batches = [pin(b) for b in batches]
+    res.set(f"{key}_config", {"rows_per_batch": R, "S": S, "Q": Q, "samples_per_row": k, "block_size": B,
+                              "anchors_per_sample": Q // (B * k), "distinct_batches": len(batches),
+                              "layers": bench.cfg.num_hidden_layers, "hidden": bench.cfg.hidden_size,
+                              "ctx_width": width, "vocab": bench.cfg.vocab_size, "drafter_params": bench.n_params,
+                              "compiled": bench.compiled, "lm_head_chunk": args.lm_head_chunk,
+                              "batch_build_s": round(time.perf_counter() - t, 2)})
+
+    if key == "flex":
+        with res.guard("mask_timing"):
+            meta_dev = to_device(batches[0]["mask"], bench.device)
+            reps = 10 if bench.tiny else 20
+            md = [t_ for a, kw in calls[: 2 * R] for t_ in time_fn(lambda: masks.mask_metadata(*a, **kw), "cpu", 5)]
+            tb = time_fn(lambda: masks.to_block_mask(meta_dev), bench.device, reps)
+            cb = time_fn(lambda: create_block_mask_baseline(meta_dev), bench.device, reps)
+            bm1, bm2 = masks.to_block_mask(meta_dev), create_block_mask_baseline(meta_dev)
+            equal = bool(torch.equal(masks.block_mask_to_dense(bm1), masks.block_mask_to_dense(bm2)))
+            res.set("mask_timing", {
+                "mask_metadata_ms_per_row_median": round(median(md) * 1e3, 3),
+                "mask_metadata_ms_per_row_p90": round(pctl(md, 0.9) * 1e3, 3),
+                "loader_build_ms_per_batch_median": round(median(build_s) * 1e3, 1),
+                "to_block_mask_ms_median": round(median(tb) * 1e3, 3),
+                "create_block_mask_ms_median": round(median(cb) * 1e3, 3),
+                "live_tiles_per_row": live_tiles(batches[0]["mask"]) / R,
+                "tiles_per_row_dense": (Q // TILE) * ((S + Q) // TILE),
+                "block_masks_equal": equal,
+                "tile_counts_equal": [int(bm1.kv_num_blocks.sum()), int(bm1.full_kv_num_blocks.sum())]
+                == [int(bm2.kv_num_blocks.sum()), int(bm2.full_kv_num_blocks.sum())],
+            })
+
+    with res.guard(key):
+        t = time.perf_counter()
+        for i in range(args.warmup):
+            bench.step(batches[i % len(batches)], masks.to_block_mask)
+        sync(bench.device)
+        warm = time.perf_counter() - t
+        r = bench.timed(batches, masks.to_block_mask, args.steps if key == "flex" else max(3, args.steps // 2))
+        rep = bench.report(r, batches, R, S, Q)
+        rep["warmup_s"] = round(warm, 1)
+        res.set(key, rep)
+        if key == "flex":
+            res.set("flop_formulas", FLOP_FORMULAS)
+
+    if baseline:
+        with res.guard("baseline_create_block_mask"):
+            t = time.perf_counter()
+            for i in range(2):
+                bench.step(batches[i % len(batches)], create_block_mask_baseline)
+            sync(bench.device)
+            warm = time.perf_counter() - t
+            r = bench.timed(batches, create_block_mask_baseline, args.steps)
+            rep = bench.report(r, batches, R, S, Q)
+            rep["warmup_s"] = round(warm, 1)
+            flex = res.data.get(key, {})
+            if isinstance(flex, dict) and flex.get("step_ms_median"):
+                rep["ratio_vs_flex"] = round(rep["step_ms_median"] / flex["step_ms_median"], 3)
+            res.set("baseline_create_block_mask", rep)
+    del batches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (smoke test of the same code)")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batches", type=int, default=None, help="distinct micro-batches cycled through")
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--lm-head-chunk", type=int, default=2048)
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--no-larger", action="store_true", help="skip the larger (2 rows / micro-batch) config")
+    args = ap.parse_args()
+    tiny = tiny_mode(args.tiny)
+    limit = part_limit_s(170)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if tiny:
+        torch.set_num_threads(2)
+        args.layers = min(args.layers, 2)
+    args.steps = args.steps or (3 if tiny else 20)
+    args.batches = args.batches or (2 if tiny else 4)
+    S, Q, k = (512, 256, 4) if tiny else (4096, 4096, 4)
+    res = Results("train_step", tiny=tiny, device=device, limit_s=limit)
+    t = time.perf_counter()
+    bench = Bench(args, tiny, device)
+    res.set("model_build_s", round(time.perf_counter() - t, 1))
+    run_config(res, bench, "flex", 1, S, Q, k, args, baseline=True)
+    # One larger micro-batch (2 packed rows) for MFU headroom, if the part's time allows a compile.
+    spent = elapsed()
+    flex = res.data.get("flex") if isinstance(res.data.get("flex"), dict) else {}
+    need = 1.3 * float(flex.get("warmup_s") or 60) + 20  # another compile, then a few steps
+    if args.no_larger:
+        res.set("larger", {"skipped": "--no-larger"})
+    elif spent + need < limit:
+        with res.guard("larger"):
+            args.steps = max(3, args.steps // 2)
+            args.warmup = 2
+            run_config(res, bench, "larger", 2, S, Q, k, args, baseline=False)
+    else:
+        res.set("larger", {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
+    res.set("wall_s", round(elapsed(), 1))
+
+
+if __name__ == "__main__":
+    main()
