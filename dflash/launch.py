@@ -94,7 +94,8 @@ def _device_for(kind: str, ids: tuple[int, ...], local_rank: int) -> str:
 def launch_train(cfg: TrainConfig) -> dict | None:
     """Train with one process per requested device; returns the final metrics (in this process only
     when it trained itself, i.e. one device or under torchrun)."""
-    from dflash.train import preflight, run_training
+    from dflash.preflight import MASK_SOURCE_ENV, preflight
+    from dflash.train import run_training
 
     if under_torchrun():
         # torchrun started the processes; each one takes the GPU of its local rank (from the --gpus
@@ -107,7 +108,24 @@ def launch_train(cfg: TrainConfig) -> dict | None:
 
     devices = parse_gpus(cfg.gpus)
     check_devices(devices)
-    preflight(cfg)
+    setup = preflight(cfg)
+    saved_env = os.environ.get(MASK_SOURCE_ENV)
+    if cfg.mask_token_id is None:  # resolved once here (it may scan the store), not again per process
+        os.environ[MASK_SOURCE_ENV] = setup.mask_token_source
+        cfg = dataclasses.replace(cfg, mask_token_id=setup.mask_token_id)
+    del setup
+    try:
+        return _start(cfg, devices)
+    finally:
+        if saved_env is None:
+            os.environ.pop(MASK_SOURCE_ENV, None)
+        else:
+            os.environ[MASK_SOURCE_ENV] = saved_env
+
+
+def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
+    from dflash.train import run_training
+
     if devices.count == 1:
         return run_training(cfg, device=_device_for(devices.kind, devices.ids, 0))
 

@@ -21,6 +21,9 @@ from dflash.errors import ConfigError, StoreError
 from dflash.loader import LoaderSpec
 
 
+MASK_SOURCE_ENV = "DFLASH_MASK_TOKEN_SOURCE"
+
+
 @dataclass
 class Setup:
     cfg: TrainConfig
@@ -140,7 +143,8 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) 
     if cfg_id is not None:
         if not 0 <= cfg_id < vocab_rows:
             raise ConfigError(f"--mask-token-id {cfg_id} is outside the target's embedding table (0..{vocab_rows - 1}).")
-        return int(cfg_id), "configured"
+        # The launcher resolves the token once and hands it to its processes with how it was chosen.
+        return int(cfg_id), os.environ.get(MASK_SOURCE_ENV, "configured")
     from transformers import AutoTokenizer
 
     try:
@@ -151,8 +155,10 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) 
         return int(tok.mask_token_id), f"tokenizer mask token {tok.mask_token!r}"
     if len(tok) < vocab_rows:
         return len(tok), "first unused embedding row"
-    reserved = sorted(i for i, t in tok.added_tokens_decoder.items()
-                      if t.special and ("reserved" in t.content.lower() or "mask" in t.content.lower()) and i < vocab_rows)
+    # A dedicated <|mask|>-like token first, then reserved ones; each only if the store never uses it.
+    reserved = sorted((i for i, t in tok.added_tokens_decoder.items()
+                       if t.special and ("reserved" in t.content.lower() or "mask" in t.content.lower()) and i < vocab_rows),
+                      key=lambda i: ("mask" not in tok.added_tokens_decoder[i].content.lower(), i))
     if reserved:
         used = _ids_in_store(store, set(reserved))
         free = [i for i in reserved if i not in used]
@@ -165,11 +171,23 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) 
 
 
 def _ids_in_store(store, ids: set[int]) -> set[int]:
+    """Which of `ids` occur anywhere in the store's committed tokens (read shard by shard, in big slices)."""
     import numpy as np
     from tqdm import tqdm
 
     want = np.array(sorted(ids))
     seen: set[int] = set()
+    shards = getattr(store, "shards", None)
+    if shards and all(hasattr(sh, "rows") and hasattr(sh, "end") for sh in shards):
+        total = sum(int(sh.end) for sh in shards)
+        step = 1 << 22
+        with tqdm(total=total, desc="checking mask token candidates", unit="tok", unit_scale=True, leave=False) as bar:
+            for sh in shards:
+                for lo in range(0, int(sh.end), step):
+                    hi = min(int(sh.end), lo + step)
+                    seen.update(int(v) for v in want[np.isin(want, sh.rows("input_ids", lo, hi))])
+                    bar.update(hi - lo)
+        return seen
     for sid in tqdm(store.sample_ids(), desc="checking mask token candidates", unit="sample", leave=False):
         x = store.read(sid, fields=["input_ids"])["input_ids"].numpy()
         seen.update(int(v) for v in want[np.isin(want, x)])

@@ -240,3 +240,31 @@ def test_mask_token_choice(counting):
     # no padding row, no mask or reserved token: the user has to choose, never an in-use word
     with pytest.raises(ConfigError, match="--mask-token-id"):
         resolve_mask_token(None, str(target), n, s)
+
+
+def test_mask_token_reserved_and_unused(counting, tmp_path):
+    """A tokenizer with <|mask|> and reserved tokens but no spare row: the first one the store never uses."""
+    from transformers import AutoTokenizer
+
+    from dflash.preflight import resolve_mask_token
+    from dflash.store import open_store
+
+    target, store = counting
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.add_special_tokens({"additional_special_tokens": ["<|reserved_0|>", "<|mask|>"]})
+    tdir = tmp_path / "tok"
+    tok.save_pretrained(tdir)
+    n = len(tok)
+    s = open_store(store)
+    used = {int(x) for sid in s.sample_ids() for x in s.read(sid, fields=["input_ids"])["input_ids"]}
+    mask_id, reserved_id = tok.convert_tokens_to_ids("<|mask|>"), tok.convert_tokens_to_ids("<|reserved_0|>")
+    assert mask_id not in used and reserved_id not in used
+    assert resolve_mask_token(None, str(tdir), n, s)[0] == mask_id  # the dedicated mask token first
+    # a "reserved" token that does occur in the store is never chosen
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert im_end in used
+    tok2 = AutoTokenizer.from_pretrained(target)
+    tok2.add_special_tokens({"additional_special_tokens": ["<|reserved_9|>"]})
+    tdir2 = tmp_path / "tok2"
+    tok2.save_pretrained(tdir2)
+    assert resolve_mask_token(None, str(tdir2), len(tok2), s)[0] == tok2.convert_tokens_to_ids("<|reserved_9|>")
