@@ -74,7 +74,25 @@ def env_info() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    info["work_fs"] = filesystem_of(work_dir())
+    info["shm_fs"] = filesystem_of(Path("/dev/shm"))
     return info
+
+
+def filesystem_of(path: Path) -> dict | None:
+    """Mount point, type and free space of the filesystem holding `path` (is /tmp a disk or tmpfs?)."""
+    try:
+        path = path.resolve()
+        best = None
+        for line in Path("/proc/mounts").read_text().splitlines():
+            dev, mnt, fstype = line.split()[:3]
+            if (str(path) + "/").startswith(mnt.rstrip("/") + "/") and (best is None or len(mnt) > len(best[1])):
+                best = (dev, mnt, fstype)
+        st = os.statvfs(path)
+        return {"mount": best[1], "type": best[2], "device": best[0], "free_gb": round(st.f_bavail * st.f_frsize / 1e9, 1),
+                "size_gb": round(st.f_blocks * st.f_frsize / 1e9, 1)} if best else None
+    except Exception:  # noqa: BLE001 - information only
+        return None
 
 
 class Results:

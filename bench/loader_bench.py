@@ -142,7 +142,7 @@ def part_loader(tiny: bool, limit: float) -> None:
         return
     out = {}
     counts = (1, 2) if tiny else (2, 4, 8)
-    cap = 3.0 if tiny else 10.0
+    cap = 3.0 if tiny else 8.0
     for w in counts:
         if elapsed() + cap + 15 > limit:
             out[f"workers_{w}"] = {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"}
@@ -189,17 +189,12 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGKILL the run this bench started: its process, everything below it, its process group."""
-    pids = _descendants(proc.pid)
-    for pid in [proc.pid, *pids]:
+    """SIGKILL the run this bench started: its process and everything below it (by pid)."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -232,7 +227,8 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(w), env=env, start_new_session=True)
+        # Same process group as this bench, so that run_all.sh's `timeout` stops the run along with it.
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(w), env=env)
     first_step_s, stopped, timed_out = None, False, False
     stop_early = not tiny or os.environ.get("BENCH_STOP_EARLY") == "1"  # tiny runs finish (checks the whole flow)
     metrics = run / "metrics.jsonl"
@@ -282,7 +278,7 @@ def part_scaling(tiny: bool, limit: float) -> None:
     res = Results("train_scaling", tiny=tiny, limit_s=limit, shapes=shapes(tiny))
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
-    steps, skip = (4, 1) if tiny else (30, 5)
+    steps, skip = (4, 1) if tiny else (25, 5)
     workers = 1 if tiny else 8
     with res.guard("store"):
         build_store(tiny)
@@ -312,7 +308,7 @@ def main() -> None:
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     if args.part == "loader":
-        part_loader(tiny, part_limit_s(80))
+        part_loader(tiny, part_limit_s(95))
     else:
         part_scaling(tiny, part_limit_s(250))
 

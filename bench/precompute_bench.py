@@ -260,7 +260,7 @@ def main() -> None:
         rates["forward"] = ntok / dt
         res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k)", "s": round(dt, 2),
                             "tokens_per_s": round(ntok / dt),
-                            "tflops": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
+                            "tflops_matmul_est": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
 
     with res.guard("capture"):
         sync(device)

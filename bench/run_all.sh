@@ -34,8 +34,8 @@ part() {  # part NAME CAP_SECONDS script args...
   echo "dflash bench: $(date -u +%FT%TZ) tiny=${BENCH_TINY:-0} budget=${BUDGET}s"
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
   part train_step 170 bench/train_step.py
-  part precompute 120 bench/precompute_bench.py
-  part loader 80 bench/loader_bench.py --part loader
+  part precompute 110 bench/precompute_bench.py
+  part loader 95 bench/loader_bench.py --part loader
   part train_scaling 250 bench/loader_bench.py --part scaling
   "$PY" bench/common.py summarize
   echo "dflash bench: done after $(( $(date +%s) - START ))s"
