@@ -284,7 +284,12 @@ def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, d
 
     `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
     average over: the gradient of the global weighted mean."""
-    block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata came from the workers
+    if m["ctx_hidden"].is_cuda:
+        block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata came from the workers
+    else:
+        # flex_attention has no CPU backward; the dense mask from the same descriptors is the CPU path
+        # (the model would otherwise expand the BlockMask through mask_mod, ~10x slower).
+        block_mask = masks.to_dense_mask(m["mask"])
     with autocast:
         block_embeds = torch.nn.functional.embedding(m["block_input_ids"], embed)
         hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
