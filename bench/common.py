@@ -4,6 +4,23 @@ Every part writes one JSON file `$OUT/<part>.json`, rewritten atomically after e
 killed by its time limit still leaves what it measured.  `python bench/common.py summarize` merges them into
 `$OUT/results.json` and prints a table.  `--tiny` (or BENCH_TINY=1) shrinks every shape so the whole suite
 runs on a laptop CPU in a few minutes; the code path is the same.
+
+Result keys (times in ms or s as named, rates per second of wall time):
+  train_step.json  flex / baseline_create_block_mask / larger: step_ms_median (p10, p90, all), ctx/block/label
+                   tokens_per_s, tflop_per_step + flops_mean_per_step (components, TFLOP) + flop_formulas, mfu
+                   (vs 989 TFLOP/s; mfu_strict without fc's input gradient), peak_mem_gib_max/min (per-step
+                   max_memory_allocated), recompiles_after_warmup (dynamo frames compiled during the timed
+                   steps), warmup_s (compile included); baseline.ratio_vs_flex; mask_timing: mask_metadata
+                   per row on the CPU, to_block_mask / create_block_mask per step on the GPU, block_masks_equal.
+  precompute.json  forward (decoder only) / capture (hooks + top-k) / write_bf16 / write_fp8 (capture + copy +
+                   ShardWriter, finalize included): tokens_per_s, ratio_vs_forward, bytes_per_token,
+                   write_gb_per_s (store bytes / wall); two_gpus: tokens_per_s over both, scaling_vs_1gpu.
+  loader.json      store (what was written), loader.workers_N: batches_per_s, ctx_tokens_per_s, gb_per_s (real
+                   hidden bytes), startup_s; cold_cache: the same after dropping the page cache.
+  train_scaling.json  gpus_1 / gpus_2 (`dflash train`, compile on): ctx_tokens_per_s_median over steps after
+                   the first 5 (global, all processes), data_wait_frac_mean, peak_mem_gb, recompiles;
+                   scaling_2_over_1.
+  results.json     all of the above merged, plus comparisons (loader rate / train step rate).
 """
 
 from __future__ import annotations
