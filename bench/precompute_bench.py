@@ -223,7 +223,7 @@ def main() -> None:
     budget = args.token_budget or (1024 if tiny else PrecomputeConfig().token_budget)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        torch.set_num_threads(2)
+        torch.set_num_threads(1)
     d = dims(tiny)
     res = Results("precompute", tiny=tiny, device=device, tokens_target=tokens, token_budget=budget, topk=TOPK,
                   target_layer_ids=d["target_layer_ids"], limit_s=limit)
@@ -249,15 +249,19 @@ def main() -> None:
 
     rates = {}
     with res.guard("forward"):
-        sync(device)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            for _, ids, _ in batches:
-                capture.decoder(input_ids=ids.to(device), use_cache=False)
-        sync(device)
-        dt = time.perf_counter() - t
+        passes = []
+        for _ in range(2):  # best of two: the first pass also meets every batch shape for the first time
+            sync(device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                for _, ids, _ in batches:
+                    capture.decoder(input_ids=ids.to(device), use_cache=False)
+            sync(device)
+            passes.append(time.perf_counter() - t)
+        dt = min(passes)
         rates["forward"] = ntok / dt
-        res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k)", "s": round(dt, 2),
+        res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k), best of 2 passes",
+                            "s": round(dt, 2), "passes_s": [round(x, 2) for x in passes],
                             "tokens_per_s": round(ntok / dt),
                             "tflops_matmul_est": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
 

@@ -356,7 +356,7 @@ def main() -> None:
     limit = part_limit_s(170)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if tiny:
-        torch.set_num_threads(2)
+        torch.set_num_threads(1)
         args.layers = min(args.layers, 2)
     args.steps = args.steps or (3 if tiny else 20)
     args.batches = args.batches or (2 if tiny else 4)
