@@ -157,7 +157,7 @@ def test_loss_falls_and_tau_rises(counting, tmp_path):
     first = recs[:5]
     last = recs[-5:]
     mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-    assert mean(last, "loss") < mean(first, "loss") - 0.8
+    assert mean(last, "loss") < mean(first, "loss") - 0.5
     assert mean(last, "tau") > mean(first, "tau") + 0.05
     assert final["steps"] == 40 and final["tau"] == recs[-1]["tau"]
     # offline tau on the held-out store at steps 20 and 40 (here the training store itself)
@@ -167,33 +167,33 @@ def test_loss_falls_and_tau_rises(counting, tmp_path):
 def test_kill_and_resume_is_exact(counting, tmp_path):
     target, store = counting
     cwd = tmp_path / "cwd"
-    ref = _cfg(target, store, tmp_path / "ref", steps=30, save_every=5)
+    ref = _cfg(target, store, tmp_path / "ref", steps=16, save_every=4)
     launch_train(ref)
     expected = [(r["step"], r["loss"], r["tau"]) for r in _metrics(ref.out)]
 
-    cfg = _cfg(target, store, tmp_path / "killed", steps=30, save_every=5)
+    cfg = _cfg(target, store, tmp_path / "killed", steps=16, save_every=4)
     proc = subprocess.Popen(DFLASH + _args(cfg, cwd), env=_env(), cwd=cwd, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     metrics = Path(cfg.out) / "metrics.jsonl"
     deadline = time.time() + 240
     killed_at = None
     while time.time() < deadline and proc.poll() is None:
-        if (Path(cfg.out) / "checkpoints/step-00000005").is_dir() and metrics.is_file():
+        if (Path(cfg.out) / "checkpoints/step-00000004").is_dir() and metrics.is_file():
             lines = metrics.read_text().splitlines()
-            if len(lines) >= 7:
+            if len(lines) >= 6:
                 killed_at = len(lines)
                 os.killpg(proc.pid, signal.SIGKILL)  # the run and its DataLoader workers, mid-step
                 break
         time.sleep(0.01)
     proc.wait(timeout=60)
     assert killed_at is not None, "the run finished before it could be killed: " + proc.stderr.read().decode()[-2000:]
-    assert killed_at < 30
+    assert killed_at < 16
 
-    resume = _cfg(target, store, cfg.out, steps=30, save_every=5, resume=True)
+    resume = _cfg(target, store, cfg.out, steps=16, save_every=4, resume=True)
     p = subprocess.run(DFLASH + _args(resume, cwd), env=_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     got = [(r["step"], r["loss"], r["tau"]) for r in _metrics(cfg.out)]
-    assert [g[0] for g in got] == list(range(1, 31))
+    assert [g[0] for g in got] == list(range(1, 17))
     for (s, l1, t1), (_, l2, t2) in zip(expected, got):
         assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-7), f"step {s}"
         assert t1 == pytest.approx(t2, rel=1e-9), f"step {s}"

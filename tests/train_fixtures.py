@@ -27,7 +27,7 @@ def counting_conversations(n: int, seed: int = 0) -> list[dict]:
     return rows
 
 
-def teach_counting(target: Path, rows: list[dict], steps: int = 40, seed: int = 0) -> Path:
+def teach_counting(target: Path, rows: list[dict], steps: int = 30, seed: int = 0) -> Path:
     """Train the tiny target in place on the conversations (plain next-token loss) and save it again."""
     import torch
     import transformers
@@ -35,7 +35,7 @@ def teach_counting(target: Path, rows: list[dict], steps: int = 40, seed: int = 
     torch.manual_seed(seed)
     tok = transformers.AutoTokenizer.from_pretrained(target)
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    texts = [tok.apply_chat_template(r["messages"], tokenize=False) for r in rows]
+    texts = [tok.apply_chat_template(r["messages"], tokenize=False) for r in rows[:24]]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
