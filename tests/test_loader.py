@@ -169,3 +169,10 @@ def test_workers_build_batches(store):
     for x in got:
         ref = ds[(x["epoch"], x["index"])]
         assert torch.equal(x["labels"], ref["labels"]) and torch.equal(x["mask"]["kv_indices"], ref["mask"]["kv_indices"])
+
+
+def test_store_too_small_for_one_step():
+    from dflash.errors import DataError
+
+    with pytest.raises(DataError, match="fewer than one optimizer step"):
+        list(L.RankSampler(_FakePlans([3]), 0, 2, 2, 0, 0, 1))

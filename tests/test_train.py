@@ -268,3 +268,29 @@ def test_mask_token_reserved_and_unused(counting, tmp_path):
     tdir2 = tmp_path / "tok2"
     tok2.save_pretrained(tdir2)
     assert resolve_mask_token(None, str(tdir2), len(tok2), s)[0] == tok2.convert_tokens_to_ids("<|reserved_9|>")
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    from dflash import checkpoint as ckpt
+
+    state = {"w": torch.arange(4.0)}
+    for step in (1, 2, 3):
+        ckpt.save_checkpoint(tmp_path, step, state, {"block_size": 8}, {"step": step, "rng": {"cpu": torch.get_rng_state()}},
+                             {"train": {}}, keep=2)
+    # a write interrupted by a crash leaves only a temporary directory, which is never a checkpoint
+    (tmp_path / "checkpoints" / ".tmp-step-00000004-123").mkdir()
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step-00000003"
+    model, drafter_cfg, train_state, _ = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
+    assert torch.equal(model["w"], state["w"]) and train_state["step"] == 3 and drafter_cfg == {"block_size": 8}
+    ckpt.clean_partial(tmp_path)
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_truncate_metrics(tmp_path):
+    from dflash.preflight import truncate_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 6)) + '{"step": 6, "lo')
+    kept = truncate_metrics(f, 3)
+    assert [r["step"] for r in kept] == [1, 2, 3] and len(f.read_text().splitlines()) == 3
