@@ -337,10 +337,12 @@ class _Logger:
         self.file = open(self.run / "metrics.jsonl", "a")
         self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        cut = int((setup.store.lengths() > setup.spec.s_shapes[-1]).sum())
         self.bar.write(
             f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
-            f"Q {setup.spec.q_shapes}", file=sys.stderr)
+            f"Q {setup.spec.q_shapes}"
+            + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else ""), file=sys.stderr)
         (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
 
     def log(self, rec: dict) -> None:
