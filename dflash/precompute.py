@@ -275,6 +275,12 @@ def _torchrun_world() -> tuple[int, int, int] | None:
 def _devices(gpus: str, n: int, local_offset: int | None = None) -> list[str]:
     """The device of each of `n` shards (or of this rank's shard when `local_offset` is given)."""
     spec = (gpus or "auto").strip().lower()
+    if spec not in ("cpu", "auto") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--gpus {gpus} asks for GPUs but CUDA is not available in this environment (torch "
+            f"{torch.__version__}); run on CPU with --gpus cpu (one CPU process per --shards), or leave "
+            "--gpus at auto."
+        )
     if spec == "cpu" or not torch.cuda.is_available():
         return ["cpu"] * n
     if spec == "auto":
@@ -414,9 +420,9 @@ def run_precompute(cfg: PrecomputeConfig) -> dict:
         if rank != 0:
             return {}
     else:
+        devices = _devices(cfg.gpus, num_shards)  # before the store exists: a bad --gpus writes nothing
         complete = create()
         if not complete:
-            devices = _devices(cfg.gpus, num_shards)
             if devices[0] == "cpu":
                 print(f"precompute: running {num_shards} shard(s) on CPU (no GPU requested or available).", flush=True)
             if num_shards == 1:

@@ -385,4 +385,16 @@ class _Logger:
         tmp = self.run / ".metrics.json.tmp"
         tmp.write_text(json.dumps(final, indent=2))
         os.replace(tmp, self.run / "metrics.json")
+        self._write_curves()
         return final
+
+    def _write_curves(self) -> None:
+        """curves.csv (step, loss, tau, lr) from the whole metrics.jsonl, resumed segments included:
+        `dvc plots` reads CSV, not JSONL."""
+        rows = [json.loads(line) for line in (self.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        tmp = self.run / ".curves.csv.tmp"
+        with open(tmp, "w") as f:
+            f.write("step,loss,tau,lr\n")
+            for r in rows:
+                f.write(f"{r['step']},{r['loss']:.6f},{r['tau']:.6f},{r.get('lr', 0.0):.6g}\n")
+        os.replace(tmp, self.run / "curves.csv")

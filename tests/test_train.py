@@ -101,6 +101,9 @@ def test_two_processes_without_create_block_mask(two_process_run):
     assert len(recs[0]["acc"]) == cfg.block_size - 1 and 1 <= recs[-1]["tau"] <= cfg.block_size
     final = json.loads((run / "metrics.json").read_text())
     assert final["steps"] == 4 and final["tokens_per_s"] > 0 and "loss" in final and "tau" in final
+    curves = (run / "curves.csv").read_text().splitlines()  # what dvc plots reads
+    assert curves[0] == "step,loss,tau,lr" and [int(c.split(",")[0]) for c in curves[1:]] == [1, 2, 3, 4]
+    assert float(curves[1].split(",")[1]) == pytest.approx(recs[0]["loss"], rel=1e-5)
     conf = json.loads((run / "config.json").read_text())
     assert conf["world_size"] == 2 and conf["drafter"]["dflash_config"]["block_size"] == 8
     assert list((run / "tb").glob("events.out.tfevents.*"))

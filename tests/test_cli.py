@@ -1,0 +1,52 @@
+"""The command-line contract: params.yaml + flags, help texts, and GPU requests on a CPU-only machine."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import main
+from dflash.config import PrecomputeConfig, TrainConfig, build_config
+from dflash.errors import ConfigError
+from helpers import make_conversations_jsonl
+
+
+def test_help_lists_every_command_of_the_contract():
+    out = CliRunner().invoke(main, ["--help"]).output
+    for cmd in ("precompute", "verify", "train", "eval", "export"):
+        assert f"  {cmd} " in out, cmd
+    for cmd, flag in (("precompute", "--target-layers"), ("train", "--save-every"), ("eval", "--prompts")):
+        res = CliRunner().invoke(main, [cmd, "--help"])
+        assert res.exit_code == 0 and flag in res.output
+
+
+def test_flags_win_over_params_yaml_which_wins_over_defaults(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  lr: 0.002\n  block_size: 8\n  gpus: 'cpu:2'\nprecompute:\n  target_layers: [1, 2]\n")
+    cfg = build_config(TrainConfig, p, {"block_size": 16, "steps": None})
+    assert (cfg.lr, cfg.block_size, cfg.gpus, cfg.num_layers) == (0.002, 16, "cpu:2", TrainConfig().num_layers)
+    pre = build_config(PrecomputeConfig, p, {"target_layers": "3,4"})
+    assert pre.target_layers == [3, 4]
+    assert build_config(PrecomputeConfig, p, {}).target_layers == [1, 2]
+
+
+def test_unknown_or_bad_params_are_named(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown option `lrr`"):
+        build_config(TrainConfig, p, {})
+    p.write_text("train:\n  steps: many\n")
+    with pytest.raises(ConfigError, match="`steps`"):
+        build_config(TrainConfig, p, {})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where CUDA is missing")
+def test_gpu_requests_without_cuda_say_how_to_run_on_cpu(tmp_path, tiny_target):
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 4)
+    store = tmp_path / "store"
+    res = CliRunner().invoke(main, ["precompute", "--target", str(tiny_target), "--data", str(data),
+                                    "--out", str(store), "--shards", "2", "--gpus", "0,1"])
+    assert res.exit_code != 0 and "--gpus cpu" in res.output and "Traceback" not in res.output
+    assert not store.exists()
+    res = CliRunner().invoke(main, ["train", "--store", str(store), "--target", str(tiny_target),
+                                    "--out", str(tmp_path / "run"), "--gpus", "5,6,7"])
+    assert res.exit_code != 0 and "--gpus cpu:N" in res.output and "Traceback" not in res.output
