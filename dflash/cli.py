@@ -94,6 +94,8 @@ def main(debug: bool) -> None:
 @click.option("--split", help="Split to read from a saved DatasetDict (default train).")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own code.")
 @click.option("--overwrite", is_flag=True, default=None, help="Delete an existing store and start over.")
+@click.option("--restart-changed", is_flag=True, default=None,
+              help="Start over when the existing store was made from other inputs (pipelines); else resume.")
 @user_errors
 def precompute(config, **flags):
     """Run the target over a dataset and write hidden states, top-k and loss masks to a store.

@@ -40,6 +40,7 @@ class PrecomputeConfig:
     dtype: str = "auto"  # target compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     trust_remote_code: bool = False
     overwrite: bool = False
+    restart_changed: bool = False  # start over (instead of refusing) when the store's inputs changed
     seed: int = 0
 
 

@@ -34,7 +34,7 @@ from dflash.config import PrecomputeConfig, to_dict
 from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.store import ShardWriter, create_or_check_manifest, read_manifest, shard_name
-from dflash.store.manifest import shard_status
+from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences, shard_status
 from dflash.target import Capture, check_layers, load_target, load_tokenizer, resolve_dtype
 from dflash.target_io import default_target_layers, target_identity, tokenizer_hash
 
@@ -392,6 +392,20 @@ def _print_summary(store, tot: dict, max_length: int) -> None:
     )
 
 
+def _inputs_changed(cfg: PrecomputeConfig, out: Path, manifest: dict) -> bool:
+    """With --restart-changed (pipelines): an existing store made from other inputs is started over,
+    while a store of the same inputs still resumes."""
+    if not cfg.restart_changed or not (out / MANIFEST).is_file():
+        return False
+    old = read_manifest(out)
+    diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest})
+    if diffs or old.get("format_version") != FORMAT_VERSION:
+        print(f"precompute: {out} was made from other inputs ({'; '.join(diffs) or 'format'}); starting it over.",
+              flush=True)
+        return True
+    return False
+
+
 def run_precompute(cfg: PrecomputeConfig) -> dict:
     """Validate, create or resume the store, run every shard, and return the summary."""
     t0 = time.time()
@@ -402,7 +416,7 @@ def run_precompute(cfg: PrecomputeConfig) -> dict:
 
     def create() -> bool:
         """Create or check the manifest; True when every shard is already complete."""
-        create_or_check_manifest(out, manifest, overwrite=cfg.overwrite)
+        create_or_check_manifest(out, manifest, overwrite=cfg.overwrite or _inputs_changed(cfg, out, manifest))
         return all(st.get("status") == "complete" for st in read_manifest(out)["shards"].values())
 
     if world:

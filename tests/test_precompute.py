@@ -322,6 +322,14 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, targets):
     assert res.exit_code == 0, res.output
     s = open_store(store)
     assert s.manifest["target_layer_ids"] == [0, 1] and s.manifest["target"]["model_type"] == "llama"
+    # --restart-changed (what dvc.yaml uses): other inputs start over, the same inputs resume (no-op here)
+    ok = CliRunner().invoke(main, ["precompute", "--target", str(targets["llama"]), *map(str, base),
+                                   "--target-layers", "1,2", "--restart-changed"])
+    assert ok.exit_code == 0 and "starting it over" in ok.output, ok.output
+    assert open_store(store).manifest["target_layer_ids"] == [1, 2] and verify_store(store).ok
+    again = CliRunner().invoke(main, ["precompute", "--target", str(targets["llama"]), *map(str, base),
+                                      "--target-layers", "1,2", "--restart-changed"])
+    assert again.exit_code == 0 and "already complete" in again.output and "starting it over" not in again.output
 
 
 @pytest.mark.slow
