@@ -6,8 +6,9 @@ stream of `Q` query tokens (`n_blocks * B`, padded); keys are `[ctx (S), blocks 
 nothing else (DESIGN section 3).
 
 Everything flex_attention needs is derived from the sample ranges and block anchors alone, tile by tile,
-so the DataLoader workers never materialise a `Q x (S+Q)` mask and never call `create_block_mask` (which
-runs compiled code and must not run outside the main thread). The main process turns the metadata into
+so the DataLoader workers never materialise a `Q x (S+Q)` mask and never evaluate `mask_mod` over every
+element the way flex_attention's own mask builder does (that builder runs compiled code, which must not
+run outside the main thread, and costs ~14 ms a step at Qwen3-8B shapes: docs/BENCHMARKS.md). The main process turns the metadata into
 a `BlockMask` with `BlockMask.from_kv_blocks`.
 """
 
