@@ -26,29 +26,12 @@ from tqdm import tqdm
 
 from dflash.config import EvalConfig
 from dflash.errors import ConfigError, DataError, DFlashError, StoreError
-from dflash.loss import IGNORE
+from dflash.loss import IGNORE, block_acceptance
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- offline
-
-
-def block_acceptance(preds: torch.Tensor, labels: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per real block: (acceptance length [n] in 1..B, correct-and-valid flags [n, B]).
-
-    preds/labels [R, Q] with blocks back to back from position 0 of each row; a block is real when
-    position 1 has a label (the rule of dflash.loss.block_stats, kept per block for the histogram).
-    """
-    R, Q = labels.shape
-    nb = Q // block_size
-    y = labels[:, : nb * block_size].reshape(R * nb, block_size)
-    p = preds[:, : nb * block_size].reshape(R * nb, block_size)
-    valid = y != IGNORE
-    right = (p == y) & valid
-    real = valid[:, 1]
-    tau = right[:, 1:].long().cumprod(dim=1).sum(dim=1) + 1
-    return tau[real], right[real], valid[real]
 
 
 def _greedy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

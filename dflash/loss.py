@@ -98,12 +98,13 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None)
 
 
-def block_stats(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
-    """Per-position accuracy counts and acceptance lengths from greedy predictions.
+def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
+    """Blocks as rows: (acceptance length [n], right [n, B], valid [n, B], real [n]).
 
     preds, labels: [R, Q] with blocks laid out back to back from position 0 of each row (padding at
     the end, labels IGNORE).  A block's acceptance length is 1 + the number of leading positions
-    k = 1.. whose prediction is right; an ignored label ends the run, as the sample ends there.
+    k = 1.. whose prediction is right; an ignored label ends the run, as the sample ends there.  A block
+    is real when position 1 has a label (anchors guarantee it; padding blocks have none).
     """
     R, Q = labels.shape
     nb = Q // block_size
@@ -113,12 +114,21 @@ def block_stats(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
     right = (p == y) & valid
     real = valid[:, 1] if block_size > 1 else valid.any(1)
     accepted = right[:, 1:].long().cumprod(dim=1).sum(dim=1) + 1
-    return (
-        right.sum(0),
-        valid.sum(0),
-        (accepted * real).sum(),
-        real.sum(),
-    )
+    return accepted, right, valid, real
+
+
+def block_stats(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
+    """Per-position (correct, valid) counts, summed acceptance length and number of real blocks.
+
+    Sync-free (no boolean indexing), for the training step."""
+    accepted, right, valid, real = _blocks(preds, labels, block_size)
+    return right.sum(0), valid.sum(0), (accepted * real).sum(), real.sum()
+
+
+def block_acceptance(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
+    """Per real block: (acceptance length [n] in 1..B, right [n, B], valid [n, B]), for histograms."""
+    accepted, right, valid, real = _blocks(preds, labels, block_size)
+    return accepted[real], right[real], valid[real]
 
 
 def block_loss(
@@ -190,5 +200,5 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
     return total / denom
 
 
-__all__ = ["IGNORE", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats",
+__all__ = ["IGNORE", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
            "reference_block_loss"]
