@@ -157,7 +157,6 @@ def _random_batch(cfg, lm_head: torch.Tensor, seed: int = 0):
     anchors = [5, 40]
     ctx = torch.randn(1, S, cfg.num_features * cfg.hidden_size, generator=g)
     Q = 128 * ((2 * B + 127) // 128)
-    ids = torch.randint(0, lm_head.shape[0], (1, Q), generator=g)
     block_pos = torch.zeros(1, Q, dtype=torch.long)
     for j, a in enumerate(anchors):
         block_pos[0, j * B : (j + 1) * B] = torch.arange(a, a + B)
