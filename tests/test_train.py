@@ -297,3 +297,17 @@ def test_truncate_metrics(tmp_path):
     f.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 6)) + '{"step": 6, "lo')
     kept = truncate_metrics(f, 3)
     assert [r["step"] for r in kept] == [1, 2, 3] and len(f.read_text().splitlines()) == 3
+
+
+@pytest.mark.slow
+def test_fsdp2_matches_ddp(two_process_run, counting, tmp_path):
+    """`--parallel fsdp` (FSDP2 fully_shard over gloo) trains the same as DDP, step for step."""
+    target, store = counting
+    ddp_cfg, _ = two_process_run
+    cfg = _cfg(target, store, tmp_path / "run", gpus="cpu:2", steps=4, save_every=2, parallel="fsdp")
+    p = subprocess.run(DFLASH + _args(cfg, tmp_path / "cwd"), env=_env(), cwd=tmp_path / "cwd",
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fsdp = [r["loss"] for r in _metrics(cfg.out)]
+    ddp = [r["loss"] for r in _metrics(ddp_cfg.out)]
+    assert len(fsdp) == 4 and fsdp == pytest.approx(ddp, rel=1e-4)
