@@ -138,6 +138,8 @@ class ShardWriter:
         overlap_io: bool = True,  # write Zarr objects on one I/O thread (Zarr + numpy only, never torch)
     ):
         self.durable = durable
+        # One I/O thread so disk writes overlap the next target forward. It only ever sees numpy arrays
+        # and zarr/pyarrow calls (_store_slices): no torch, no compiled code, no masks.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="dflash-store-io") if overlap_io else None
         self._inflight = None
         self.root = Path(store_path)
