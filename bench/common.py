@@ -6,7 +6,8 @@ killed by its time limit still leaves what it measured.  `python bench/common.py
 runs on a laptop CPU in a few minutes; the code path is the same.
 
 Result keys (times in ms or s as named, rates per second of wall time):
-  train_step.json  flex / baseline_create_block_mask / larger: step_ms_median (p10, p90, all), ctx/block/label
+  train_step.json  flex (the step as dflash.train runs it) / flex_old, flex_fused_only (before) /
+                   baseline_create_block_mask / rowsN: step_ms_wall_mean, step_ms_median (p10, p90, all), ctx/block/label
                    tokens_per_s, tflop_per_step + flops_mean_per_step (components, TFLOP) + flop_formulas, mfu
                    (vs 989 TFLOP/s; mfu_strict without fc's input gradient), peak_mem_gib_max/min (per-step
                    max_memory_allocated), recompiles_after_warmup (dynamo frames compiled during the timed
@@ -243,20 +244,25 @@ def summarize() -> dict:
     (out / "results.json").write_text(json.dumps(merged, indent=2, default=str))
 
     rows = [
-        ("train step (flex, from_kv_blocks)", "ms/step", _get(ts, "flex", "step_ms_median")),
+        ("train step (flex, from_kv_blocks)", "ms/step", _get(ts, "flex", "step_ms_wall_mean")),
         ("  context tokens/s", "tok/s", _get(ts, "flex", "ctx_tokens_per_s")),
         ("  block tokens/s", "tok/s", _get(ts, "flex", "block_tokens_per_s")),
         ("  MFU (vs 989 TFLOP/s)", "", _get(ts, "flex", "mfu")),
         ("  peak memory max/min", "GiB", f"{_fmt(_get(ts, 'flex', 'peak_mem_gib_max'), 2)} / "
                                           f"{_fmt(_get(ts, 'flex', 'peak_mem_gib_min'), 2)}"),
         ("  recompiles after warm-up", "", _get(ts, "flex", "recompiles_after_warmup")),
-        ("train step (create_block_mask each step)", "ms/step", _get(ts, "baseline_create_block_mask", "step_ms_median")),
+        ("train step (create_block_mask each step)", "ms/step", _get(ts, "baseline_create_block_mask", "step_ms_wall_mean")),
         ("  baseline / flex step time", "x", _get(ts, "baseline_create_block_mask", "ratio_vs_flex")),
         ("mask_metadata per row (CPU)", "ms", _get(ts, "mask_timing", "mask_metadata_ms_per_row_median")),
         ("to_block_mask per step (GPU)", "ms", _get(ts, "mask_timing", "to_block_mask_ms_median")),
         ("create_block_mask per step (GPU)", "ms", _get(ts, "mask_timing", "create_block_mask_ms_median")),
-        ("larger config step", "ms/step", _get(ts, "larger", "step_ms_median")),
-        ("  larger config MFU", "", _get(ts, "larger", "mfu")),
+        ("before (old loop: eager loss, syncs)", "ms/step", _get(ts, "flex_old", "step_ms_wall_mean")),
+        ("  before MFU", "", _get(ts, "flex_old", "mfu")),
+        ("+ fused loss only", "ms/step", _get(ts, "flex_fused_only", "step_ms_wall_mean")),
+        ("2 rows / micro-batch", "ms/step", _get(ts, "rows2", "step_ms_wall_mean")),
+        ("  2 rows MFU", "", _get(ts, "rows2", "mfu")),
+        ("4 rows / micro-batch", "ms/step", _get(ts, "rows4", "step_ms_wall_mean")),
+        ("  4 rows MFU", "", _get(ts, "rows4", "mfu")),
         ("precompute: forward only", "tok/s", _get(pc, "forward", "tokens_per_s")),
         ("precompute: hooks + top-k", "tok/s", _get(pc, "capture", "tokens_per_s")),
         ("precompute: + write bf16", "tok/s", _get(pc, "write_bf16", "tokens_per_s")),

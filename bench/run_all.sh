@@ -6,6 +6,7 @@
 #   OUT=/tmp/benchout bash bench/run_all.sh                 # on the GPU machine (2 x H200)
 #   BENCH_TINY=1 OUT=/tmp/benchout bash bench/run_all.sh    # CPU smoke run of the same code, tiny shapes
 #
+# BENCH_PARTS (default: all four) picks parts, e.g. BENCH_PARTS="train_step train_scaling";
 # BENCH_BUDGET_S (default 560: the device tool allows 600 s a command) bounds the whole run; BENCH_WORK (default /tmp/dflash_bench) holds the
 # scratch stores and runs and is deleted at the end.
 set -u
@@ -19,8 +20,11 @@ PY="${PYTHON:-python3}"
 BUDGET="${BENCH_BUDGET_S:-560}"
 START=$(date +%s)
 
-part() {  # part NAME CAP_SECONDS script args...
+PARTS="${BENCH_PARTS:-train_step precompute loader train_scaling}"
+part() {  # part NAME CAP_SECONDS script args...   (BENCH_CAP_<NAME> overrides the cap)
   local name=$1 cap=$2; shift 2
+  case " $PARTS " in *" $name "*) ;; *) echo "=== $name: not in BENCH_PARTS"; return;; esac
+  local override="BENCH_CAP_$name"; cap="${!override:-$cap}"
   local left=$((BUDGET - ($(date +%s) - START) - 10))
   local limit=$(( cap < left ? cap : left ))
   if [ "$limit" -lt 30 ]; then echo "=== $name: skipped, ${left}s left of the ${BUDGET}s budget"; return; fi

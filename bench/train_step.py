@@ -194,53 +194,87 @@ class Bench:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
         self.n_params = sum(p.numel() for p in self.raw.parameters())
 
-    def step(self, batch, make_mask) -> float:
-        """One optimizer step on one micro-batch, as dflash.train runs it; returns the loss."""
-        m = to_device(batch, self.device)
-        denom = m["loss_weight"].sum().double()
+    def step(self, m, make_mask, fused: bool, host_syncs: bool):
+        """One optimizer step on one micro-batch already on the device, as dflash.train runs it (fused
+        loss, label positions and loss denominator from the loader: no host sync) or, with
+        host_syncs and not fused, as it ran before (nonzero() and float(denom) syncs, eager loss)."""
+        denom = float(m["loss_weight"].sum().double()) if host_syncs else m["loss_weight_sum"]
         block_mask = make_mask(m["mask"])
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
         out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
-                         denom=float(denom), chunk=self.args.lm_head_chunk)
+                         denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
+                         label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return out.loss
 
-    def timed(self, batches, make_mask, n: int) -> dict:
+    def timed(self, batches, make_mask, n: int, mode: str) -> dict:
+        """n steps cycling over `batches` (pinned host memory).
+
+        mode "new" (dflash.train today): loader.DeviceFeeder copies the next batch on a side stream while
+        this one computes, fused loss, no host sync inside the loop; per-step times are CUDA-event
+        intervals on the compute stream, the rate is wall time over all n steps (one sync at the end).
+        mode "old" (before): the batch copied on the compute stream at the start of each step, eager loss,
+        the host syncs of the old loop; "fused_only": the old loop with the fused loss (one change)."""
         from torch._dynamo.utils import counters
 
         cuda = torch.device(self.device).type == "cuda"
+        dev = torch.device(self.device)
+        fused, prefetch, host_syncs = mode != "old", mode == "new", mode != "new"
         frames0, graphs0 = counters["frames"]["total"], counters["stats"]["unique_graphs"]
-        times, peaks, losses, reserved = [], [], [], []
+        peaks, losses, reserved, events = [], [], [], []
+        feeder = L.DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, 1) if prefetch else None
+        sync(self.device)
+        t0 = time.perf_counter()
         for i in range(n):
             if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-            sync(self.device)
-            t = time.perf_counter()
-            loss = self.step(batches[i % len(batches)], make_mask)
-            sync(self.device)
-            times.append(time.perf_counter() - t)
-            losses.append(float(loss.detach()))
+                torch.cuda.reset_peak_memory_stats(self.device)  # host-side allocator counters: no sync
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                events.append(ev)
+            if feeder is not None:
+                m = feeder.ready(feeder.take()[0])
+            else:
+                m = to_device(batches[i % len(batches)], self.device)
+            loss = self.step(m, make_mask, fused, host_syncs)
+            if feeder is not None:
+                feeder.prefetch()
+            if mode != "new":
+                losses.append(float(loss.detach()))  # the old loop read its metrics every step
+            else:
+                losses.append(loss.detach())
             if cuda:
                 peaks.append(torch.cuda.max_memory_allocated(self.device) / 2**30)
                 reserved.append(torch.cuda.max_memory_reserved(self.device) / 2**30)
-        return {"times": times, "peaks": peaks, "losses": losses, "reserved": reserved,
-                "recompiles": counters["frames"]["total"] - frames0,
-                "new_graphs": counters["stats"]["unique_graphs"] - graphs0}
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            events.append(ev)
+        sync(self.device)
+        wall = time.perf_counter() - t0
+        if cuda:
+            times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+        else:
+            times = [wall / n] * n
+        return {"times": times, "wall_per_step": wall / n, "peaks": peaks, "losses": [float(x) for x in losses],
+                "reserved": reserved, "recompiles": counters["frames"]["total"] - frames0,
+                "new_graphs": counters["stats"]["unique_graphs"] - graphs0, "mode": mode}
 
     def report(self, r: dict, batches, R: int, S: int, Q: int) -> dict:
         fl = [step_flops(self.cfg, R, S, Q, int((b["labels"] != IGNORE).sum()), live_tiles(b["mask"])) for b in batches]
         mean = {k: float(np.mean([f[k] for f in fl])) for k in fl[0]}
-        t = median(r["times"])
+        t = r["wall_per_step"]  # throughput: wall time over all steps, nothing synced in between
         ctx = float(np.mean([b["num_ctx_tokens"] for b in batches]))
         blk = float(np.mean([b["num_block_tokens"] for b in batches]))
         return {
             "steps": len(r["times"]),
-            "step_ms_median": round(t * 1e3, 2),
+            "mode": r["mode"],
+            "step_ms_wall_mean": round(t * 1e3, 2),
+            "step_ms_median": round(median(r["times"]) * 1e3, 2),
             "step_ms_p10": round(pctl(r["times"], 0.1) * 1e3, 2),
             "step_ms_p90": round(pctl(r["times"], 0.9) * 1e3, 2),
             "step_ms_all": [round(x * 1e3, 2) for x in r["times"]],
@@ -310,33 +344,29 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
                 == [int(bm2.kv_num_blocks.sum()), int(bm2.full_kv_num_blocks.sum())],
             })
 
-    with res.guard(key):
-        t = time.perf_counter()
-        for i in range(args.warmup):
-            bench.step(batches[i % len(batches)], masks.to_block_mask)
-        sync(bench.device)
-        warm = time.perf_counter() - t
-        r = bench.timed(batches, masks.to_block_mask, args.steps if key == "flex" else max(3, args.steps // 2))
-        rep = bench.report(r, batches, R, S, Q)
-        rep["warmup_s"] = round(warm, 1)
-        res.set(key, rep)
-        if key == "flex":
-            res.set("flop_formulas", FLOP_FORMULAS)
-
-    if baseline:
-        with res.guard("baseline_create_block_mask"):
+    def measure(name: str, make_mask, mode: str, steps: int, warmup: int) -> dict | None:
+        with res.guard(name):
             t = time.perf_counter()
-            for i in range(2):
-                bench.step(batches[i % len(batches)], create_block_mask_baseline)
-            sync(bench.device)
+            bench.timed(batches, make_mask, warmup, mode)
             warm = time.perf_counter() - t
-            r = bench.timed(batches, create_block_mask_baseline, args.steps)
+            r = bench.timed(batches, make_mask, steps, mode)
             rep = bench.report(r, batches, R, S, Q)
             rep["warmup_s"] = round(warm, 1)
-            flex = res.data.get(key, {})
-            if isinstance(flex, dict) and flex.get("step_ms_median"):
-                rep["ratio_vs_flex"] = round(rep["step_ms_median"] / flex["step_ms_median"], 3)
-            res.set("baseline_create_block_mask", rep)
+            res.set(name, rep)
+            return rep
+
+    rep = measure(key, masks.to_block_mask, "new", args.steps if key == "flex" else max(3, args.steps // 2),
+                  args.warmup)
+    if key == "flex":
+        res.set("flop_formulas", FLOP_FORMULAS)
+    if baseline:
+        # before / after of this session's step changes, same batches, same compiled drafter
+        for mode in ("old", "fused_only"):
+            measure(f"{key}_{mode}", masks.to_block_mask, mode, args.steps, 2)
+        b = measure("baseline_create_block_mask", create_block_mask_baseline, "new", args.steps, 2)
+        if b and rep:
+            b["ratio_vs_flex"] = round(b["step_ms_wall_mean"] / rep["step_ms_wall_mean"], 3)
+            res.set("baseline_create_block_mask", b)
     del batches
 
 
@@ -350,7 +380,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--lm-head-chunk", type=int, default=2048)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--no-larger", action="store_true", help="skip the larger (2 rows / micro-batch) config")
+    ap.add_argument("--rows", default="2,4", help="larger micro-batches to measure, in packed rows ('' for none)")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(170)
@@ -366,19 +396,17 @@ def main() -> None:
     bench = Bench(args, tiny, device)
     res.set("model_build_s", round(time.perf_counter() - t, 1))
     run_config(res, bench, "flex", 1, S, Q, k, args, baseline=True)
-    # One larger micro-batch (2 packed rows) for MFU headroom, if the part's time allows a compile.
-    spent = elapsed()
-    flex = res.data.get("flex") if isinstance(res.data.get("flex"), dict) else {}
-    need = 1.3 * float(flex.get("warmup_s") or 60) + 20  # another compile, then a few steps
-    if args.no_larger:
-        res.set("larger", {"skipped": "--no-larger"})
-    elif spent + need < limit:
-        with res.guard("larger"):
-            args.steps = max(3, args.steps // 2)
-            args.warmup = 2
-            run_config(res, bench, "larger", 2, S, Q, k, args, baseline=False)
-    else:
-        res.set("larger", {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
+    # Larger micro-batches (R packed rows) for MFU headroom, each if the part's time allows a compile.
+    args.steps, args.warmup = max(3, args.steps // 2), 2
+    for R in [int(x) for x in args.rows.split(",") if x.strip()]:
+        spent = elapsed()
+        flex = res.data.get("flex") if isinstance(res.data.get("flex"), dict) else {}
+        need = 1.3 * float(flex.get("warmup_s") or 60) + 10 * R  # another compile, then a few steps
+        if spent + need < limit:
+            with res.guard(f"rows{R}"):
+                run_config(res, bench, f"rows{R}", R, S, Q, k, args, baseline=False)
+        else:
+            res.set(f"rows{R}", {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
     res.set("wall_s", round(elapsed(), 1))
 
 

@@ -51,42 +51,73 @@ class LossOutput:
     num_blocks: torch.Tensor  # blocks with a label at position 1 (every real block)
 
 
+def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
+    """One chunk of positions: (sum w*ce, sum w*kd, greedy predictions, d loss / d logits in the
+    logits' dtype).  Written as plain tensor code so that torch.compile can fuse it into a couple of
+    passes over the [c, V] logits (eager, it makes ~10 fp32 passes: the biggest non-matmul cost of a
+    step at a 152k vocabulary).  topk_p is the target's renormalised top-k distribution, or None."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    preds = x.argmax(dim=-1)
+    w = weights[:, None]
+    ce = lse.squeeze(1) - x.gather(1, labels[:, None]).squeeze(1)
+    ce_sum = (weights * ce).sum()
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    g = (torch.exp(x - lse) - onehot.float()) * w  # d ce / d logits = softmax - onehot
+    kd_sum = ce_sum.new_zeros(())
+    if topk_p is not None:
+        T = temperature
+        lse_t = torch.logsumexp(x / T, dim=-1, keepdim=True)
+        logq = x.gather(1, topk_ids) / T - lse_t
+        kd = (topk_p * (torch.log(topk_p.clamp_min(1e-30)) - logq)).sum(-1) * (T * T)
+        kd_sum = (weights * kd).sum()
+        # d (T^2 KL) / d logits = T * (softmax(logits / T) - p scattered onto the vocabulary)
+        scale = w * (kd_weight * T)
+        g = (g + torch.exp(x / T - lse_t) * scale).scatter_add(1, topk_ids, -topk_p * scale)
+    return ce_sum, kd_sum, preds, g.to(logits.dtype)
+
+
+_COMPILED = {}
+
+
+def _terms_fn(fused: bool):
+    """chunk_terms, compiled once per process when `fused` (always from the training thread: the loss
+    runs in the step, never in a worker or side thread).  The chunk's row count is marked dynamic by the
+    caller, so the short last chunk of every step does not recompile."""
+    if not fused:
+        return chunk_terms
+    if "fn" not in _COMPILED:
+        _COMPILED["fn"] = torch.compile(chunk_terms, dynamic=False)
+    return _COMPILED["fn"]
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum_i w_i * (ce_i + kd_weight * kd_i) over rows of `hidden`, lm_head applied chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk):
+    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, fused):
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
         kd_sum = hidden.new_zeros((), dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         use_kd = kd_weight > 0 and topk_ids is not None
-        T = float(temperature)
+        terms = _terms_fn(fused)
         for i in range(0, n, chunk):
             h = hidden[i : i + chunk].to(head.dtype)
-            y = labels[i : i + chunk]
-            w = weights[i : i + chunk].float()
-            logits = (h @ head.t()).float()  # [c, V]; the only full-vocabulary tensor alive
-            preds[i : i + chunk] = logits.argmax(-1)
-            logp = torch.log_softmax(logits, dim=-1)
-            ce = -logp.gather(1, y[:, None]).squeeze(1)
-            ce_sum += (w * ce).sum()
-            # d ce / d logits = softmax - onehot
-            g = logp.exp_()
-            g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
-            g *= w[:, None]
+            logits = h @ head.t()  # [c, V]; the only full-vocabulary tensor alive
+            y, w = labels[i : i + chunk], weights[i : i + chunk].float()
+            ids = p = None
             if use_kd:
-                p = torch.softmax(topk_logprobs[i : i + chunk].float() / T, dim=-1)  # [c, K]
                 ids = topk_ids[i : i + chunk]
-                logq = torch.log_softmax(logits / T, dim=-1)
-                kd = (p * (torch.log(p.clamp_min(1e-30)) - logq.gather(1, ids))).sum(-1) * (T * T)
-                kd_sum += (w * kd).sum()
-                # d (T^2 KL) / d logits = T * (softmax(logits / T) - p scattered onto the vocabulary)
-                gk = logq.exp_()
-                gk.scatter_add_(1, ids, -p)
-                g += gk * (kd_weight * T) * w[:, None]
-            grad_hidden[i : i + chunk] = (g.to(head.dtype) @ head).to(hidden.dtype)
+                p = torch.softmax(topk_logprobs[i : i + chunk].float() / float(temperature), dim=-1)
+            if fused:
+                for t in (logits, y, w) + ((ids, p) if use_kd else ()):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            c_sum, k_sum, preds[i : i + chunk], g = terms(logits, y, w, ids, p, float(kd_weight), float(temperature))
+            ce_sum += c_sum
+            kd_sum += k_sum
+            grad_hidden[i : i + chunk] = (g @ head).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(ce_sum, kd_sum, preds)
         total = ce_sum + (kd_weight * kd_sum if use_kd else 0.0)
@@ -95,7 +126,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _g_ce, _g_kd, _g_preds):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None)
+        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 9
 
 
 def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
@@ -144,16 +175,20 @@ def block_loss(
     kd_weight: float = 0.0,
     kd_temperature: float = 1.0,
     chunk: int = 2048,
+    label_index: torch.Tensor | None = None,
+    fused: bool = False,
 ) -> LossOutput:
     """Loss and metrics of one micro-batch.
 
     hidden [R, Q, H] (the drafter's output), lm_head [V, H] (frozen), labels [R, Q] (IGNORE where
     there is nothing to predict), loss_weight [R, Q] (the decay weight, 0 where ignored), topk_* [R, Q, K]
-    aligned with the labels.  `denom` normalises the loss (see the module docstring).
+    aligned with the labels.  `denom` normalises the loss (see the module docstring).  `label_index`
+    (the flat positions whose label is not IGNORE, made on the CPU by the loader) saves the step a
+    device-to-host sync; `fused` compiles the per-chunk softmax / gradient (see chunk_terms).
     """
     R, Q, H = hidden.shape
     flat_labels = labels.reshape(-1)
-    sel = (flat_labels != IGNORE).nonzero().squeeze(1)
+    sel = label_index if label_index is not None else (flat_labels != IGNORE).nonzero().squeeze(1)
     h = hidden.reshape(-1, H).index_select(0, sel)
     y = flat_labels.index_select(0, sel)
     w = loss_weight.reshape(-1).index_select(0, sel).float()
@@ -165,13 +200,13 @@ def block_loss(
     # The head runs in its own dtype (bf16 on GPU) with fp32 softmax; autocast would only get in the way.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         total, ce_sum, kd_sum, preds = _ChunkedHeadLoss.apply(
-            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk)
+            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), bool(fused)
         )
     full_preds = torch.full((R * Q,), -1, dtype=torch.long, device=hidden.device)
     full_preds[sel] = preds
     correct, valid, tau_sum, num_blocks = block_stats(full_preds.view(R, Q), labels, block_size)
     return LossOutput(
-        loss=total / denom,
+        loss=total / (denom.to(total.dtype) if isinstance(denom, torch.Tensor) else denom),
         ce_sum=ce_sum,
         kd_sum=kd_sum,
         weight_sum=w.sum(),
@@ -200,5 +235,5 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
     return total / denom
 
 
-__all__ = ["IGNORE", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
+__all__ = ["IGNORE", "chunk_terms", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
            "reference_block_loss"]

@@ -70,7 +70,7 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None)
-    if cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda"):
+    if _compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; shapes come from a
         # short list (loader.shape_set) and each (S, Q) pair compiles once.
         n_shapes = len(setup.spec.s_shapes) * len(setup.spec.q_shapes)
@@ -104,12 +104,6 @@ def _load_state(raw, optimizer, model_state, optim_state):
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(raw, model_state, options=opts)
     set_optimizer_state_dict(raw, optimizer, optim_state, options=opts)
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    nb = device.type == "cuda"
-    return {k: (v.to(device, non_blocking=nb) if isinstance(v, torch.Tensor) else
-                _to_device(v, device) if isinstance(v, dict) else v) for k, v in batch.items()}
 
 
 def _peak_mem_gb(device: torch.device) -> float:
@@ -192,41 +186,62 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     # Compilations are expected the first time each (S, Q) shape pair appears (a short list, see
     # loader.shape_set); any other compilation is a recompile, and should stay at zero.
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
-    it = iter(loader)
-    B = cfg.block_size
+    feeder = L.DeviceFeeder(loader, device, cfg.grad_accum)
+    fused = _compiled(cfg, device)
     t_last = time.perf_counter()
     tokens_total, time_total = 0, 0.0
-    final = None
+    final = pending = None
+
+    def finish(p: dict, extra: dict | None = None) -> None:
+        """Turn a step's device-side stats into its metrics record (the only host sync of a step: done
+        one step late, so the GPU never waits for the host) and log it."""
+        nonlocal tokens_total, time_total
+        if p["event"] is not None:
+            p["event"].synchronize()
+        rec = _record(p, p["host"].tolist(), cfg, device, _compile_count() - compiles0)
+        rec.update(extra or {})
+        if p["step"] > 1 or total == 1:
+            tokens_total, time_total = tokens_total + rec["ctx_tokens"], time_total + p["dt"]
+        if logger:
+            logger.log(rec)
+
     while step < total:
-        t0 = time.perf_counter()
+        wait0 = feeder.wait_s
         step_epoch, step_first, _ = next(step_plan)
-        micro = [_to_device(next(it), device) for _ in range(cfg.grad_accum)]
-        t_data = time.perf_counter() - t0
-        new_shapes = {tuple(m["labels"].shape) + (m["ctx_positions"].shape[1],) for m in micro} - shapes_seen
-        shapes_seen |= new_shapes
-        compiles_before = _compile_count()
-        # The step's loss is the weighted mean over every label of every process's micro-batches.
-        denom = torch.stack([m["loss_weight"].sum() for m in micro]).sum().double()
+        items = feeder.take()
+        # The step's loss is the weighted mean over every label of every process's micro-batches; the
+        # weight sums come from the workers (host floats), so no sync is needed to know them.
+        denom = sum(b["loss_weight_sum"] for b, _ in items)
         if world > 1:
+            denom = torch.tensor(denom, dtype=torch.float64, device=device)
             dist.all_reduce(denom)
         lr = lr_at(step, cfg, total)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        stats = torch.zeros(8 + 2 * B, dtype=torch.float64, device=device)
-        for i, m in enumerate(micro):
-            last_micro = i == len(micro) - 1
+        stats = torch.zeros(8 + 2 * cfg.block_size, dtype=torch.float64, device=device)
+        new_shapes, compiles_before = set(), _compile_count()
+        for i, item in enumerate(items):
+            m = feeder.ready(item)
+            shape = tuple(m["labels"].shape) + (m["ctx_positions"].shape[1],)
+            if shape not in shapes_seen:
+                new_shapes.add(shape)
+                shapes_seen.add(shape)
+            last_micro = i == len(items) - 1
             # Gradients are exchanged once per optimizer step, after the last micro-batch.
             sync = ddp.no_sync() if ddp is not None and not last_micro else nullcontext()
             if fsdp:
                 raw.set_requires_gradient_sync(last_micro)
             with sync:
-                out = _forward_backward(model, m, embed, head, autocast, cfg, denom=float(denom) / world)
+                out = _forward_backward(model, m, embed, head, autocast, cfg, denom=denom / world, fused=fused)
+            if i == 0:
+                feeder.prefetch()  # the next step's host-to-device copies overlap this step's compute
+            counts = torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]], dtype=torch.float64)
+            if device.type == "cuda":
+                counts = counts.pin_memory().to(device, non_blocking=True)  # no host sync
             stats += torch.cat([
                 torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                              out.tau_sum.double(), out.num_blocks.double()]),
-                torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]],
-                             dtype=torch.float64, device=device),
-                out.correct.double(), out.valid.double()])
+                counts, out.correct.double(), out.valid.double()])
         grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
@@ -239,47 +254,68 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         plan = dataset.plan(step_epoch)
         end = step_first + world * cfg.grad_accum
         epoch, samples_done = step_epoch, int(plan.samples_before[end])
-        now = time.perf_counter()
-        dt, t_last = now - t_last, now
         if not new_shapes:
             recompiles += _compile_count() - compiles_before
-        s = stats.tolist()
-        ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
-        correct, valid = s[8 : 8 + B], s[8 + B :]
-        if step > 1 or total == 1:
-            tokens_total, time_total = tokens_total + ctx_tok, time_total + dt
-        rec = {
-            "step": step,
-            "epoch": step_epoch,
-            "loss": (ce_sum + cfg.kd_weight * kd_sum) / max(wsum, 1e-12),
-            "ce": ce_sum / max(wsum, 1e-12),
-            "kd": kd_sum / max(wsum, 1e-12),
-            "acc": [c / v if v else None for c, v in zip(correct, valid)][1:],
-            "tau": tau_sum / max(nblocks, 1),
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "ctx_tokens_per_s": ctx_tok / dt,
-            "block_tokens_per_s": blk_tok / dt,
-            "samples": int(nsamp),
-            "data_wait_frac": t_data / dt,
-            "peak_mem_gb": _peak_mem_gb(device),
-            "compiles": _compile_count() - compiles0,
-            "recompiles": recompiles,
-        }
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == total):
-            rec.update(_offline_eval(setup, raw, embed, head, rank))
-        if logger:
-            logger.log(rec)
-        if (cfg.save_every and step % cfg.save_every == 0) or step == total:
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        vals = torch.cat([stats, grad_norm.detach().double().reshape(1)])
+        host, event = vals, None
+        if device.type == "cuda":
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        if pending is not None:
+            finish(pending)
+        pending = dict(host=host, event=event, step=step, epoch=step_epoch, lr=lr, dt=dt,
+                       data_wait=feeder.wait_s - wait0, recompiles=recompiles)
+        evaluate = cfg.eval_every and (step % cfg.eval_every == 0 or step == total)
+        save = (cfg.save_every and step % cfg.save_every == 0) or step == total
+        if evaluate or save:
+            finish(pending, _offline_eval(setup, raw, embed, head, rank) if evaluate else None)
+            pending = None
+        if save:
             _save(run, setup, raw, optimizer, step, {"epoch": epoch, "samples_consumed": samples_done},
                   rank, world, device)
+    if pending is not None:
+        finish(pending)
     if logger:
         final = logger.finish(tokens_total / time_total if time_total else 0.0)
-    del it, loader
+    del feeder, loader
     return final
 
 
-def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, denom: float):
+def _record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
+    B = cfg.block_size
+    ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
+    correct, valid, grad_norm = s[8 : 8 + B], s[8 + B : 8 + 2 * B], s[8 + 2 * B]
+    dt = p["dt"]
+    return {
+        "step": p["step"],
+        "epoch": p["epoch"],
+        "loss": (ce_sum + cfg.kd_weight * kd_sum) / max(wsum, 1e-12),
+        "ce": ce_sum / max(wsum, 1e-12),
+        "kd": kd_sum / max(wsum, 1e-12),
+        "acc": [c / v if v else None for c, v in zip(correct, valid)][1:],
+        "tau": tau_sum / max(nblocks, 1),
+        "lr": p["lr"],
+        "grad_norm": grad_norm,
+        "ctx_tokens": int(ctx_tok),
+        "ctx_tokens_per_s": ctx_tok / dt,
+        "block_tokens_per_s": blk_tok / dt,
+        "samples": int(nsamp),
+        "data_wait_frac": p["data_wait"] / dt,
+        "peak_mem_gb": _peak_mem_gb(device),
+        "compiles": compiles,
+        "recompiles": p["recompiles"],
+    }
+
+
+def _compiled(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+
+
+def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, denom, fused: bool = False):
     """Drafter forward on one micro-batch, chunked lm_head loss, backward; returns the LossOutput.
 
     `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
@@ -295,7 +331,8 @@ def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, d
         hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
     out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
                      topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
-                     kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk)
+                     kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
+                     label_index=m.get("label_index"), fused=fused)
     out.loss.backward()
     return out
 

@@ -64,3 +64,37 @@ def test_block_stats_tau():
     # an ignored label stops the run: the prediction past the sample end never counts
     labels2 = torch.tensor([[IGNORE, 5, IGNORE, IGNORE]])
     assert int(block_stats(torch.tensor([[0, 5, 3, 3]]), labels2, B)[2]) == 2
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+def test_fused_compiled_loss_matches_reference(kd_weight):
+    """The compiled per-chunk softmax/gradient (what training runs on GPU) against the full-logits
+    reference, with a short last chunk (dynamic rows: no recompile), CPU-made label positions and a
+    tensor denominator (no host sync in the step)."""
+    from torch._dynamo.utils import counters
+
+    hidden, head, labels, weights, tid, tlp, B = _batch(V=64)
+    hidden, head, weights = hidden.float(), head.float(), weights.float()
+    denom = weights.sum() * 0.7
+    sel = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    outs, grads = [], []
+    frames = []
+    for chunk in (8, 8, 5):  # 8: full chunks + a short tail; 5: another tail length
+        h = hidden.clone().requires_grad_(True)
+        out = block_loss(h, head, labels, weights, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
+                         kd_weight=kd_weight, kd_temperature=2.0, chunk=chunk, label_index=sel, fused=True)
+        out.loss.backward()
+        outs.append(out)
+        grads.append(h.grad)
+        frames.append(counters["frames"]["total"])
+    h2 = hidden.clone().requires_grad_(True)
+    ref = reference_block_loss(h2, head, labels, weights, float(denom), tid, tlp, kd_weight=kd_weight,
+                               kd_temperature=2.0)
+    ref.backward()
+    for out, g in zip(outs, grads):
+        assert torch.allclose(out.loss, ref.float(), rtol=1e-4)
+        assert torch.allclose(g, h2.grad, rtol=1e-3, atol=1e-6)
+    assert frames[1] == frames[0]  # the same chunk sizes again: no new compilation
+    eager = block_loss(hidden, head, labels, weights, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
+                       kd_weight=kd_weight, kd_temperature=2.0, chunk=8)
+    assert torch.equal(eager.correct, outs[0].correct) and int(eager.tau_sum) == int(outs[0].tau_sum)
