@@ -15,6 +15,7 @@ calls it).  Results: $OUT/train_step.json.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from contextlib import nullcontext
 
@@ -307,6 +308,26 @@ def time_fn(fn, device, n: int) -> list[float]:
     return out
 
 
+def profile_steps(bench: Bench, batches, R: int) -> None:
+    """torch.profiler over 3 steps as dflash.train runs them: the kernels by self device time, to
+    $OUT/train_profile_R<R>.txt (where a step's time goes, for the next optimisation)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import out_dir
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(bench.device).type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        bench.timed(batches, masks.to_block_mask, 3, "new")
+    avg = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+        try:
+            table = avg.table(sort_by=key, row_limit=40, max_name_column_width=90)
+            break
+        except Exception:  # noqa: BLE001  (the sort key's name changed across torch versions)
+            continue
+    (out_dir() / f"train_profile_R{R}.txt").write_text(table)
+
+
 def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: int, args, baseline: bool) -> None:
     B = bench.cfg.block_size
     width = bench.cfg.num_features * bench.cfg.hidden_size
@@ -359,6 +380,9 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
                   args.warmup)
     if key == "flex":
         res.set("flop_formulas", FLOP_FORMULAS)
+    if key == "flex" and args.profile:
+        with res.guard("profile"):
+            profile_steps(bench, batches, R)
     if baseline:
         # before / after of this session's step changes, same batches, same compiled drafter
         for mode in ("old", "fused_only"):
@@ -380,6 +404,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--lm-head-chunk", type=int, default=2048)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--profile", action="store_true", default=os.environ.get("BENCH_PROFILE") == "1",
+                    help="also write a kernel-time profile of 3 steps to $OUT/train_profile_R1.txt")
     ap.add_argument("--rows", default="2,4", help="larger micro-batches to measure, in packed rows ('' for none)")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
