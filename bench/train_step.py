@@ -186,7 +186,7 @@ class Bench:
         decay = [p for p in self.raw.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.raw.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=1e-4, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
+                                     lr=1e-4, betas=(0.9, 0.95), fused=True)
         dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
         g = torch.Generator(device=device).manual_seed(1)
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
@@ -208,7 +208,12 @@ class Bench:
                          denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
                          label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
+        if host_syncs:  # before: clip_grad_norm_ scales every gradient in a separate pass
+            self.opt.grad_scale = None
+            torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
+        else:  # dflash.train._clip: the fused AdamW kernel divides by the clipping factor as it reads
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.raw.parameters() if p.grad is not None])
+            self.opt.grad_scale = ((norm + 1e-6) / 1.0).clamp_min(1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return out.loss
