@@ -200,14 +200,18 @@ class PackedDataset(torch.utils.data.Dataset):
     def _sample(self, idx: int, epoch: int) -> dict:
         spec = self.spec
         sid = int(self.sample_ids[idx])
-        fields = ["input_ids", "loss_mask", "hidden"] + (["topk_ids", "topk_logprobs"] if spec.kd else [])
+        # bf16 hidden states are read later, by build(), straight into the packed batch (see
+        # Store.read_hidden_into); other stores (fp8) are read and dequantised here.
+        direct = getattr(self.store, "hidden_dtype", None) == "bf16" and hasattr(self.store, "read_hidden_into")
+        fields = ["input_ids", "loss_mask"] + ([] if direct else ["hidden"])
+        fields += ["topk_ids", "topk_logprobs"] if spec.kd else []
         d = self.store.read(sid, fields=fields)
         T = min(len(d["input_ids"]), spec.s_shapes[-1])  # longer samples are cut to the row budget
         ids = d["input_ids"][:T].numpy()
         lm = d["loss_mask"][:T].numpy().astype(bool)
         anchors = draw_anchors(lm, int(self.max_blocks[idx]), spec.seed, epoch, sid)
         blocks = block_targets(ids, lm, anchors, spec.block_size, spec.mask_token_id, self.weights)
-        out = dict(sid=sid, T=T, hidden=d["hidden"][:T], anchors=anchors, **blocks)
+        out = dict(sid=sid, T=T, hidden=None if direct else d["hidden"][:T], anchors=anchors, **blocks)
         if spec.kd:
             src = torch.from_numpy(np.maximum(blocks["source"], 0))
             out["topk_ids"] = d["topk_ids"][:T][src]
@@ -220,10 +224,12 @@ class PackedDataset(torch.utils.data.Dataset):
         samples = [[self._sample(int(i), epoch) for i in row] for row in rows]
         S = fit_shape(max(sum(s["T"] for s in row) for row in samples), spec.s_shapes)
         Q = fit_shape(max(1, max(sum(len(s["anchors"]) for s in row) for row in samples) * B), spec.q_shapes)
-        LH = samples[0][0]["hidden"].shape[-1]
+        first = samples[0][0]["hidden"]
+        LH = first.shape[-1] if first is not None else self.store.hidden_size * self.store.num_layers
+        hidden_dtype = first.dtype if first is not None else torch.bfloat16
         K = samples[0][0]["topk_ids"].shape[-1] if spec.kd else 0
         b = dict(
-            ctx_hidden=_batch_tensor((R, S, LH), samples[0][0]["hidden"].dtype),
+            ctx_hidden=_batch_tensor((R, S, LH), hidden_dtype),
             ctx_positions=torch.zeros(R, S, dtype=torch.long),
             block_input_ids=torch.full((R, Q), spec.mask_token_id, dtype=torch.long),
             block_positions=torch.zeros(R, Q, dtype=torch.long),
@@ -241,7 +247,10 @@ class PackedDataset(torch.utils.data.Dataset):
             starts, lens, block_sample, block_anchor = [], [], [], []
             for j, s in enumerate(row):
                 T, n = s["T"], len(s["labels"])
-                b["ctx_hidden"][r, c0 : c0 + T] = s["hidden"]
+                if s["hidden"] is None:
+                    self.store.read_hidden_into(s["sid"], b["ctx_hidden"][r, c0 : c0 + T])
+                else:
+                    b["ctx_hidden"][r, c0 : c0 + T] = s["hidden"]
                 b["ctx_positions"][r, c0 : c0 + T] = torch.arange(T)
                 b["block_input_ids"][r, q0 : q0 + n] = torch.from_numpy(s["input_ids"])
                 b["block_positions"][r, q0 : q0 + n] = torch.from_numpy(s["positions"])

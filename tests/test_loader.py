@@ -176,3 +176,55 @@ def test_store_too_small_for_one_step():
 
     with pytest.raises(DataError, match="fewer than one optimizer step"):
         list(L.RankSampler(_FakePlans([3]), 0, 2, 2, 0, 0, 1))
+
+
+def test_hidden_read_straight_into_batches(store):
+    """bf16 hidden states are decoded by Zarr straight into the packed batch: every sample's rows equal
+    Store.read, padding is zero, and worker-built (shared-memory) batches equal in-process ones."""
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
+    ds = L.PackedDataset(store, spec)
+    for g in range(len(ds.plan(0))):
+        b = ds[(0, g)]
+        c0, r = 0, 0
+        for sid in b["sample_ids"].tolist():
+            h = store.read(sid)["hidden"]
+            T = min(len(h), spec.s_shapes[-1])
+            if c0 + T > b["ctx_hidden"].shape[1]:  # next row
+                assert (b["ctx_hidden"][r, c0:] == 0).all()
+                r, c0 = r + 1, 0
+            assert torch.equal(b["ctx_hidden"][r, c0 : c0 + T], h[:T]), (g, sid)
+            c0 += T
+        assert (b["ctx_hidden"][r, c0:] == 0).all()
+    sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
+    for x in L.make_loader(ds, sampler, num_workers=1):
+        assert x["ctx_hidden"].is_shared()
+        assert torch.equal(x["ctx_hidden"], ds[(x["epoch"], x["index"])]["ctx_hidden"])
+
+
+def test_read_hidden_into_across_objects_and_tail(tmp_path):
+    """Store.read_hidden_into over Zarr objects and the committed tail of a shard still being written."""
+    from dflash.store import ShardWriter, create_or_check_manifest, open_store
+
+    H, Ly = 16, 2
+    root = tmp_path / "s"
+    create_or_check_manifest(root, {
+        "target": {"path": "/t", "config_hash": "abc", "hidden_size": H, "num_hidden_layers": 4, "vocab_size": 100},
+        "tokenizer_hash": "tok", "dataset_fingerprint": "d", "target_layer_ids": [1, 2], "hidden_dtype": "bf16",
+        "topk": 0, "max_length": 64, "num_shards": 1})
+    g = torch.Generator().manual_seed(0)
+    hid = {}
+    with ShardWriter(root, 0, hidden_width=H * Ly, num_layers=Ly, topk=0, commit_every_tokens=40, chunk_tokens=8,
+                     chunks_per_object=4, flush_tokens=32, durable=False) as w:
+        for sid in range(12):
+            t = 3 + (sid * 7) % 17
+            hid[sid] = torch.randn(t, H * Ly, generator=g).bfloat16()
+            w.append(sid, sid, torch.randint(0, 100, (t,), generator=g), torch.ones(t, dtype=torch.uint8), hid[sid])
+        w.commit()
+        s = open_store(root)
+        assert s.shards[0].zarr_end < s.shards[0].end  # part of it sits in the tail file
+        for sid in range(12):
+            out = torch.full((len(hid[sid]) - 1, H * Ly), 7.0, dtype=torch.bfloat16)
+            s.read_hidden_into(sid, out)
+            assert torch.equal(out, hid[sid][:-1]), sid
+        with pytest.raises(ValueError, match="contiguous bf16"):
+            s.read_hidden_into(0, torch.zeros(2, H * Ly))

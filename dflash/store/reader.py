@@ -54,6 +54,21 @@ class ShardData:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+    def rows_into(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
+        """rows(name, lo, hi) written into `out` (same dtype, hi - lo rows): Zarr decodes straight into
+        it, which saves the loader a copy of every hidden state it reads (~40% faster on bf16 stores)."""
+        from zarr.core.buffer.cpu import NDBuffer
+
+        if hi > self.end:
+            raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
+        mid = min(hi, self.zarr_end)
+        if lo < mid:
+            self.array(name).get_basic_selection(slice(lo, mid), out=NDBuffer.from_numpy_array(out[: mid - lo]))
+        if hi > self.zarr_end:
+            start = max(lo, self.zarr_end)
+            out[start - lo :] = self.rows(name, start, hi)
+
+
 def decode_hidden(bits: np.ndarray, scale: np.ndarray | None) -> torch.Tensor:
     """Stored hidden rows -> bf16 tensor [T, L*H] (fp8 rows are dequantised with their per-layer scale)."""
     if scale is None:
@@ -137,6 +152,18 @@ class Store:
                 a = torch.from_numpy(shard.rows(f, lo, hi))
                 out[f] = a.bool() if f == "loss_mask" else a.long() if f.endswith("ids") else a.float()
         return out
+
+    def read_hidden_into(self, sample_id: int, out: torch.Tensor) -> None:
+        """The first len(out) hidden rows of a sample written into `out` (a contiguous bf16 [T, L*H] view,
+        e.g. of a packed batch).  bf16 stores only: fp8 needs read()'s dequantisation."""
+        if self.hidden_dtype != "bf16" or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"read_hidden_into needs a bf16 store and a contiguous bf16 tensor (store "
+                             f"{self.hidden_dtype}, tensor {out.dtype}); use read()")
+        i = self._locate(int(sample_id))
+        shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
+        if len(out) > int(self._length[i]):
+            raise ValueError(f"sample {sample_id} has {int(self._length[i])} tokens, fewer than {len(out)} asked")
+        shard.rows_into("hidden", lo, lo + len(out), out.view(torch.int16).numpy().view(np.uint16))
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, samples={len(self)}, shards={len(self.shards)})"
