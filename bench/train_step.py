@@ -385,7 +385,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
                   args.warmup)
     if key == "flex":
         res.set("flop_formulas", FLOP_FORMULAS)
-    if key == "flex" and args.profile:
+    if args.profile and (key == "flex" or key == "rows4"):
         with res.guard("profile"):
             profile_steps(bench, batches, R)
     if baseline:
