@@ -137,6 +137,8 @@ def verify(store, quick):
 @click.option("--token-budget", type=int, help="Context tokens per packed row.")
 @click.option("--num-anchors", type=int, help="Anchors (blocks) per sample per epoch.")
 @click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.")
+@click.option("--rows-per-batch", type=int,
+              help="Packed rows per micro-batch (default 1; 4 on an H200 at 8B shape: +7 MFU points, see docs/BENCHMARKS.md).")
 @click.option("--kd-weight", type=float, help="Weight of the KD term against the stored top-k.")
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
