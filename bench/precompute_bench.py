@@ -1,19 +1,22 @@
 """Precompute throughput at Qwen3-8B shape: the target's forward alone against capture (hooks + chunked
-top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores; then two processes
-(one per GPU, one shard each) at once.
+top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores, each both through the
+write pipeline (what `dflash precompute` runs: the writer on its own thread, pinned host buffers) and
+through the old serial path (copy out, append and commit inline); the disk's raw write speed; then two
+processes (one per GPU, one shard each) at once.
 
-    python bench/precompute_bench.py [--tiny] [--tokens 150000]
+    python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2]
 
 The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (no 16 GB checkpoint to
 save and reload), driven by `dflash.target.Capture` and `dflash.precompute`'s batch planner and write path
-(`plan_batches`, `_write_batch`) on synthetic token sequences of 300-4096 tokens.  Results:
-$OUT/precompute.json.
+(`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
+sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (pipelined, as
+precompute runs), write_bf16_serial / write_fp8_serial (before), disk (numpy write + fsync, GB/s).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import os
 import shutil
 import time
 from pathlib import Path
@@ -77,27 +80,12 @@ def batches_of(samples, token_budget: int):
     return out
 
 
-def write_batch(writer, capture, members, device, hidden_dtype: str) -> None:
-    """precompute's own write step when its signature is the one this bench knows, else the same steps."""
+def write_batch(sink, capture, members, device, hidden_dtype: str) -> None:
+    """precompute's own write step (every member is new: todo = members)."""
     from dflash import precompute
 
-    fn = getattr(precompute, "_write_batch", None)
-    if fn is not None and list(inspect.signature(fn).parameters) == [
-            "writer", "capture", "members", "todo", "device", "pad_id", "hidden_dtype"]:
-        todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
-        return fn(writer, capture, members, todo, device, 0, hidden_dtype)
-    lengths = [len(rd.input_ids) for _, rd in members]
-    ids = torch.zeros(len(members), max(lengths), dtype=torch.long)
-    for b, (_, rd) in enumerate(members):
-        ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
-    out = capture(ids.to(device), torch.tensor(lengths, device=device))
-    hidden = out["hidden"]
-    if hidden_dtype == "bf16":
-        hidden = hidden.to(torch.bfloat16).cpu()
-    tid, tlp = out["topk_ids"].cpu(), out["topk_logprobs"].cpu()
-    for b, (r, rd) in enumerate(members):
-        n = lengths[b]
-        writer.append(r, r, rd.input_ids, rd.loss_mask, hidden[b, :n], tid[b, :n], tlp[b, :n])
+    todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
+    precompute._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
 
 
 def make_store(path: Path, tiny: bool, hidden_dtype: str, num_shards: int) -> None:
@@ -116,21 +104,46 @@ def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str) -> float:
-    """Seconds to capture and write every batch into one shard, finalize (fsync, index) included."""
+def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str,
+                      pipelined: bool = True, budget: int = 0) -> float:
+    """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
+    precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
+    from dflash.precompute import open_sink
     from dflash.store import ShardWriter
 
     d = dims(tiny)
     L = len(d["target_layer_ids"])
+    capacity = max([budget] + [ids.numel() for _, ids, _ in batches])
     sync(device)
     t = time.perf_counter()
     with ShardWriter(store, shard, hidden_width=L * d["hidden_size"], num_layers=L, hidden_dtype=hidden_dtype,
-                     topk=TOPK) as w:
+                     topk=TOPK) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
         for members, _, _ in batches:
-            write_batch(w, capture, members, device, hidden_dtype)
-        w.finalize({"bench": True})
+            write_batch(sink, capture, members, device, hidden_dtype)
+        sink.finalize({"bench": True})
     sync(device)
     return time.perf_counter() - t
+
+
+def disk_write(path: Path, nbytes: int) -> dict:
+    """The disk's ceiling: numpy writes `nbytes` (256 MB at a time) to one file, then fsync; GB/s."""
+    block = np.random.default_rng(0).integers(0, 256, min(nbytes, 256 * 2**20), dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        done = 0
+        while done < nbytes:
+            n = min(len(block), nbytes - done)
+            f.write(memoryview(block[:n]))
+            done += n
+        f.flush()
+        t_write = time.perf_counter() - t
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t
+    path.unlink()
+    return {"bytes": nbytes, "write_s": round(t_write, 2), "fsync_s": round(dt - t_write, 2), "s": round(dt, 2),
+            "gb_per_s": round(nbytes / dt / 1e9, 3), "gb_per_s_before_fsync": round(nbytes / t_write / 1e9, 3),
+            "what": "numpy buffer -> file.write in 256 MB blocks, then fsync (page cache + disk)"}
 
 
 def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue) -> None:
@@ -213,6 +226,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per measurement (default 120000; tiny 3000)")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per forward batch (precompute's default)")
+    ap.add_argument("--disk-gb", type=float, default=None, help="GB for the raw disk write (default 2; tiny 0.25)")
+    ap.add_argument("--no-serial", action="store_true", help="skip the serial (before) write passes")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(130)
@@ -277,29 +292,45 @@ def main() -> None:
                             "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
                             "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None})
 
-    def write_pass(hd: str) -> None:
-        key = f"write_{hd}"
+    def write_pass(hd: str, pipelined: bool = True) -> None:
+        key = f"write_{hd}" + ("" if pipelined else "_serial")
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
         with res.guard(key):
             store = work_dir() / f"pc_{hd}"
             make_store(store, tiny, hd, 1)
-            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd)
+            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd, pipelined, budget)
             nbytes = dir_bytes(store)
             from dflash.store import open_store
 
             committed = len(open_store(store))
             rates[key] = ntok / dt
-            res.set(key, {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK})",
-                          "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
-                          "ratio_vs_forward": round(rates[key] / rates["forward"], 3) if "forward" in rates else None,
-                          "ratio_vs_capture": round(rates[key] / rates["capture"], 3) if "capture" in rates else None,
-                          "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
-                          "write_gb_per_s": round(nbytes / dt / 1e9, 3)})
+            how = ("write pipeline: writer thread, 3 pinned host buffers (what precompute runs)" if pipelined
+                   else "serial: .cpu() copy, append, commits inline (the path before the pipeline)")
+            entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}",
+                     "pipelined": pipelined, "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
+                     "ratio_vs_forward": round(rates[key] / rates["forward"], 3) if "forward" in rates else None,
+                     "ratio_vs_capture": round(rates[key] / rates["capture"], 3) if "capture" in rates else None,
+                     "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
+                     "write_gb_per_s": round(nbytes / dt / 1e9, 3)}
+            if not pipelined and f"write_{hd}" in rates:
+                entry["pipelined_speedup"] = round(rates[f"write_{hd}"] / rates[key], 3)
+            res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
+    with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
+        for pipelined in (True, False):
+            store = work_dir() / "pc_warmup"
+            make_store(store, tiny, "bf16", 1)
+            capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", pipelined, budget)
+            shutil.rmtree(store, ignore_errors=True)
     write_pass("bf16")
+    if not args.no_serial:
+        write_pass("bf16", pipelined=False)
+    with res.guard("disk"):
+        gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
+        res.set("disk", disk_write(work_dir() / "disk_probe.bin", int(gb * 1e9)))
     # Two shard processes next (this process's model stays on GPU 0 beside theirs: 2 x 16 GB fits).
     left = limit - elapsed() - 10
     if left < 40:
@@ -308,6 +339,8 @@ def main() -> None:
         with res.guard("two_gpus"):
             two_processes(res, tiny, tokens, rates.get("write_bf16"), timeout=left)
     write_pass("fp8")
+    if not args.no_serial:
+        write_pass("fp8", pipelined=False)
     res.set("wall_s", round(elapsed(), 1))
 
 

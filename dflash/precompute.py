@@ -14,10 +14,15 @@ rows window by window, sorts each window by length and cuts it into right-padded
 in plan order, so the committed part of a shard is always a prefix of the plan: a rerun after `kill -9`
 recomputes the first unfinished batch exactly as it was (same rows, same padding, same bits) and
 appends only what was not committed, giving the store an uninterrupted run gives.
+
+Writes do not stall the GPU: the main thread captures batch i+1 while a `WritePipeline` thread appends
+and commits batch i (dflash/store/pipeline.py says why that thread is safe); results are copied out
+through a few reusable pinned host buffers, so host memory stays bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import os
@@ -35,6 +40,7 @@ from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.store import ShardWriter, create_or_check_manifest, read_manifest, shard_name
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences, shard_status
+from dflash.store.pipeline import WritePipeline
 from dflash.target import Capture, check_layers, load_target, load_tokenizer, resolve_dtype
 from dflash.target_io import default_target_layers, target_identity, tokenizer_hash
 
@@ -51,6 +57,8 @@ class ShardJob:
     layer_ids: list[int]
     threads: int = 0  # CPU threads for this process (0 = leave torch's default)
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
+    pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
+    write_slots: int = 3  # host buffers between the GPU and the writer thread (batches in flight)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -201,8 +209,9 @@ def run_shard(job: ShardJob) -> dict:
             commit_every_tokens=cfg.commit_every_tokens,
             chunk_tokens=cfg.store_chunk_tokens,
         )
-        with writer:
-            done = writer.committed_sample_ids()
+        done = writer.committed_sample_ids()  # resume: before the writer thread owns the writer
+        capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
+        with writer, open_sink(writer, device, job.pipelined, job.write_slots, capacity) as sink:
             t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
             for w0 in range(0, len(rows), WINDOW):
@@ -220,7 +229,7 @@ def run_shard(job: ShardJob) -> dict:
                     members = [samples[i] for i in batch]
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if r not in done]
                     if todo:
-                        _write_batch(writer, capture, members, todo, device, pad_id, cfg.hidden_dtype)
+                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype)
                         stats["new_samples"] += len(todo)
                         stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
                         if slow:
@@ -233,18 +242,41 @@ def run_shard(job: ShardJob) -> dict:
             bar.close()
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["device"] = str(device)
-            writer.finalize(stats)
+            sink.finalize(stats)
         return shard_status(cfg.out, shard)
     finally:
         lock.close()
 
 
-def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:
+def open_sink(writer: ShardWriter, device, pipelined: bool = True, slots: int = 3, capacity_tokens: int = 0):
+    """What `_write_batch` sends batches to, as a context manager: a WritePipeline (the writer on a thread
+    of its own), or, serially, the writer itself.  Both have finalize(stats)."""
+    if not pipelined:
+        return contextlib.nullcontext(writer)
+    return WritePipeline(writer, device, slots=slots, capacity_tokens=capacity_tokens)
+
+
+def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = [len(rd.input_ids) for _, rd in members]
     ids = torch.full((len(members), max(lengths)), pad_id, dtype=torch.long)
     for b, (_, rd) in enumerate(members):
         ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
-    out = capture(ids.to(device), torch.tensor(lengths, device=device))
+    lens = torch.tensor(lengths)
+    if device.type == "cuda":  # no host-device sync here: the GPU may still be busy with the last batch
+        return ids.pin_memory().to(device, non_blocking=True), lens.pin_memory().to(device, non_blocking=True)
+    return ids.to(device), lens.to(device)
+
+
+def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:
+    """Capture one batch and store its `todo` rows: handed to the WritePipeline's thread when `writer` is
+    one, else copied out and appended right here (the serial path)."""
+    device = torch.device(device)
+    out = capture(*_batch_ids(members, device, pad_id))
+    if isinstance(writer, WritePipeline):
+        writer.submit([(b, r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
+                      out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
+        return
+    lengths = [len(rd.input_ids) for _, rd in members]
     hidden = out["hidden"]
     if hidden_dtype == "bf16":
         hidden = hidden.to(torch.bfloat16).cpu()  # one transfer per batch; fp8 is quantised on the device

@@ -8,13 +8,15 @@ object by read-modify-write of the whole file (LocalStore replaces it via tmp + 
 not), so a design that keeps appending into a half-filled object would rewrite committed bytes.  Instead:
 
 1. Appends are copied into an in-memory buffer.  Only *whole* objects (`S` tokens starting at a
-   multiple of `S`) are written to Zarr, each exactly once, in one big contiguous slice per array, by one
-   I/O thread (Zarr and numpy only) so that the caller's GPU work overlaps the writes; at most one write
-   is in flight, and a commit waits for it.
+   multiple of `S`) are written to Zarr, each exactly once, in one big contiguous slice per array, on
+   I/O threads (Zarr, numpy and os.fsync only) so that the caller goes on meanwhile; up to `io_threads`
+   writes are in flight, each to *other* objects, and each fsyncs its own objects right after writing
+   them.  Array resizes (metadata) happen only on the caller's thread, before the objects they cover are
+   submitted, and only grow an array while writes are in flight.  A commit waits for every write.
 2. `commit()` (every `commit_every_tokens` appended tokens, and on close/finalize) makes everything
    appended so far durable, in this order:
-     a. write the whole objects still buffered; fsync every object and metadata written since the last
-        commit (and their directories);
+     a. write the whole objects still buffered and wait for every write in flight (objects are fsynced
+        by their I/O thread); fsync the array metadata changed since the last commit;
      b. write the remainder (< S tokens, past the last whole object: the *tail*) to
         `tail-<end>.arrow` (Arrow IPC; tmp + fsync + os.replace);
      c. write the index segment `index/seg-<n>.arrow` for the samples appended since the last commit,
@@ -31,7 +33,9 @@ not), so a design that keeps appending into a half-filled object would rewrite c
    fsyncs, writes the consolidated `index.arrow` (atomic: from here on the shard is complete), removes
    the segments and the tail, and marks the shard complete in its status file.
 
-Readers trust only the committed index (layout.load_committed) and never look past `end`.
+Readers trust only the committed index (layout.load_committed) and never look past `end`.  A failed
+object write poisons the writer: it re-raises the error, and every later call raises StoreError instead of
+committing anything that might refer to the missing object.
 
 Compression (measured on bf16 activation-like data, one core): zstd/blosc-zstd shrink hidden states only
 to ~0.80 of their size at ~0.5 GB/s encode and decode, slower than precompute produces them (~0.6-1.2
@@ -40,81 +44,30 @@ GB/s per GPU) and slower than training reads them, so `hidden` is stored uncompr
 Checksums are xxh3-64 (~20 GB/s), one per sample per array.  Local filesystems only (fsync).
 Measured on the H200 host (16 cores, local disk, zarr 3.4, bf16, 40 KB/token, fsync on): ~14K tok/s
 (0.6 GB/s) appended+committed by one writer without overlap; Store.read ~22K tok/s per process.
+`dflash.store.pipeline.WritePipeline` runs a ShardWriter on a thread of its own so that precompute's GPU
+never waits for it.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import torch
 import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from dflash.errors import StoreError
 from dflash.store import layout
-from dflash.store.manifest import atomic_write_bytes, fsync_dir, mark_shard, shard_name, shard_status
+from dflash.store.manifest import atomic_write_bytes, mark_shard, shard_name, shard_status
+from dflash.store.rows import FP8_MAX, Rows, as_stored, encode_hidden, encode_hidden_tensors, fsync_files, pow2_floor
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def _pow2_floor(x: float) -> int:
-    return 1 << max(0, int(np.floor(np.log2(max(1.0, x)))))
-
-
-def _to_numpy(x, dtype) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.ascontiguousarray(np.asarray(x), dtype=dtype)
-
-
-def encode_hidden(hidden, hidden_dtype: str, num_layers: int) -> dict[str, np.ndarray]:
-    """[T, L*H] float tensor -> stored arrays: bf16 bits, or e4m3 bits + per-token-per-layer scale."""
-    h = hidden if isinstance(hidden, torch.Tensor) else torch.as_tensor(np.asarray(hidden))
-    h = h.detach()
-    h = h.reshape(h.shape[0], -1)  # [T, L, H] is accepted too
-    if hidden_dtype == "bf16":
-        return {"hidden": h.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)}
-    t = h.shape[0]
-    x = h.float().reshape(t, num_layers, -1)  # quantise on the tensor's device (GPU in precompute)
-    amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return {
-        "hidden": q.reshape(t, -1).view(torch.uint8).cpu().numpy(),
-        "hidden_scale": scale.cpu().numpy().astype(np.float32),
-    }
-
-
-class _Rows:
-    """A growable token-major buffer for one array.  append() copies (callers may reuse their tensors);
-    take(k) hands out the first k rows for good and moves the rest to a fresh buffer."""
-
-    def __init__(self, dtype: np.dtype, row: tuple, capacity: int):
-        self.a, self.n = np.empty((capacity, *row), dtype), 0
-
-    def append(self, x: np.ndarray) -> None:
-        if self.n + len(x) > len(self.a):
-            grown = np.empty((max(2 * len(self.a), self.n + len(x)), *self.a.shape[1:]), self.a.dtype)
-            grown[: self.n] = self.a[: self.n]
-            self.a = grown
-        self.a[self.n : self.n + len(x)] = x
-        self.n += len(x)
-
-    def view(self) -> np.ndarray:
-        return self.a[: self.n]
-
-    def take(self, k: int) -> np.ndarray:
-        head, rest = self.a[:k], self.a[k : self.n]
-        self.a = np.empty_like(self.a)
-        self.a[: len(rest)] = rest
-        self.n = len(rest)
-        return head
+__all__ = ["FP8_MAX", "ShardWriter", "encode_hidden", "encode_hidden_tensors"]
 
 
 class ShardWriter:
@@ -135,13 +88,18 @@ class ShardWriter:
         hidden_compressor: str | None = None,  # None | "zstd"
         flush_tokens: int | None = None,  # write whole objects once this many tokens are buffered
         durable: bool = True,  # fsync at commits (power-loss safety); kill -9 safety holds either way
-        overlap_io: bool = True,  # write Zarr objects on one I/O thread (Zarr + numpy only, never torch)
+        overlap_io: bool = True,  # write Zarr objects on I/O threads (False: inline, on the caller's thread)
+        io_threads: int = 2,  # object writes in flight at once, each on its own thread, to other objects
     ):
         self.durable = durable
-        # One I/O thread so disk writes overlap the next target forward. It only ever sees numpy arrays
-        # and zarr/pyarrow calls (_store_slices): no torch, no compiled code, no masks.
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="dflash-store-io") if overlap_io else None
-        self._inflight = None
+        # I/O threads so that disk writes overlap the caller's work.  They only ever see numpy arrays, zarr
+        # and os.fsync (_store_slices): no torch, no compiled code, no masks.
+        n_io = max(1, int(io_threads)) if overlap_io else 0
+        self._io = ThreadPoolExecutor(n_io, thread_name_prefix="dflash-store-io") if n_io else None
+        self._max_inflight = n_io
+        self._inflight: deque = deque()  # (future, {array: lent buffer}), oldest first
+        self._failed: BaseException | None = None
+        self._aborted = False
         self.root = Path(store_path)
         self.shard = int(shard_index)
         self.dir = self.root / shard_name(self.shard)
@@ -151,7 +109,7 @@ class ShardWriter:
         self.specs = layout.array_specs(hidden_dtype, int(hidden_width), self.num_layers, self.topk)
         self.commit_every_tokens = int(commit_every_tokens)
         row_bytes = hidden_width * self.specs["hidden"][0].itemsize
-        ci = chunk_tokens or min(8192, max(16, _pow2_floor(4 * 2**20 / row_bytes)))
+        ci = chunk_tokens or min(8192, max(16, pow2_floor(4 * 2**20 / row_bytes)))
         self.arrays = self._open_arrays(ci * chunks_per_object, ci, hidden_compressor)
         self.S = self.arrays["hidden"].shards[0]  # an existing shard keeps the object size it was made with
 
@@ -165,7 +123,7 @@ class ShardWriter:
         self._flush_tokens = flush_tokens or self.S * max(1, (256 * 2**20) // (self.S * row_bytes))
         # buffer: token rows [_buf_start, _buf_start + _buffered) not yet in whole Zarr objects
         cap = self._flush_tokens + self.S
-        self._buf = {n: _Rows(dtype, row, cap) for n, (dtype, row) in self.specs.items()}
+        self._buf = {n: Rows(dtype, row, cap) for n, (dtype, row) in self.specs.items()}
         self._buf_start, self._buffered = c.zarr_end, c.end - c.zarr_end
         if c.tail is not None:
             for n, a in layout.tail_arrays(layout.read_ipc(c.tail)).items():
@@ -260,21 +218,47 @@ class ShardWriter:
 
     # -- writing ------------------------------------------------------------------------------------
 
+    def _check_ok(self) -> None:
+        if self._failed is not None:
+            e = self._failed
+            raise StoreError(
+                f"{self.dir}: an earlier write failed ({type(e).__name__}: {e}), so nothing more is committed; "
+                "fix the cause and rerun the same command to resume from the last commit."
+            ) from e
+
     def append(self, sample_id, source_row, input_ids, loss_mask, hidden, topk_ids=None, topk_logprobs=None) -> None:
+        self._check_new(sample_id)
+        arrays = encode_hidden(hidden, self.hidden_dtype, self.num_layers)
+        if self.topk:
+            arrays["topk_ids"], arrays["topk_logprobs"] = topk_ids, topk_logprobs
+        self.append_encoded(sample_id, source_row, input_ids, loss_mask, arrays)
+
+    def _check_new(self, sample_id) -> int:
         if self.complete:
             raise StoreError(f"{self.dir} is complete (finalized); nothing can be appended to it.")
+        self._check_ok()
+        if self._aborted:
+            raise StoreError(f"{self.dir}: this writer was closed or aborted; open a new one to append.")
         sid = int(sample_id)
         if sid in self._ids or sid in self._pending_ids:
             raise ValueError(f"sample {sid} is already in {self.dir}")
-        rows = {"input_ids": _to_numpy(input_ids, np.int32).reshape(-1), "loss_mask": _to_numpy(loss_mask, np.uint8).reshape(-1)}
+        return sid
+
+    def append_encoded(self, sample_id, source_row, input_ids, loss_mask, arrays: dict) -> None:
+        """append() for rows already in stored form (`encode_hidden_tensors`): `arrays` holds `hidden`
+        (bf16 bits as int16/uint16, or e4m3 bits as uint8), `hidden_scale` (fp8), `topk_ids`,
+        `topk_logprobs` ([T, ...] numpy arrays or CPU tensors).  Everything is copied before it returns."""
+        sid = self._check_new(sample_id)
+        rows = {"input_ids": as_stored(input_ids, self.specs["input_ids"][0]).reshape(-1),
+                "loss_mask": as_stored(loss_mask, self.specs["loss_mask"][0]).reshape(-1)}
         t = len(rows["input_ids"])
         if t == 0:
             raise ValueError(f"sample {sid} has no tokens")
-        rows.update(encode_hidden(hidden, self.hidden_dtype, self.num_layers))
-        if self.topk:
-            rows["topk_ids"] = _to_numpy(topk_ids, np.int32)
-            rows["topk_logprobs"] = _to_numpy(topk_logprobs, np.float32)
-        for name, (_, row) in self.specs.items():
+        for name, (dtype, row) in self.specs.items():
+            if name not in rows:
+                if arrays.get(name) is None:
+                    raise ValueError(f"sample {sid}: {name} is missing")
+                rows[name] = as_stored(arrays[name], dtype)
             if rows[name].shape != (t, *row):
                 raise ValueError(f"sample {sid}: {name} has shape {rows[name].shape}, expected {(t, *row)}")
         entry = {
@@ -299,62 +283,82 @@ class ShardWriter:
     def _write_objects(self, final: bool = False) -> None:
         """Write the buffered whole objects (or, when final, everything) to Zarr, one slice per array.
 
-        The write runs on the I/O thread while the caller goes on (the GPU keeps computing); at most one
-        write is in flight, and commit() waits for it before anything refers to its objects.
+        The write runs on an I/O thread while the caller goes on; up to `io_threads` writes are in flight
+        (each to objects no other write touches), and commit() waits for all of them before anything
+        refers to their objects.  Resizes happen here, on the caller's thread, before the write that
+        needs them is submitted; while writes are in flight they only grow an array (metadata only).
         """
+        self._check_ok()
         n = self._buffered if final else (self._buffered // self.S) * self.S
         if n == 0:
             return
+        if final or self._io is None:
+            self._drain_io()  # a final resize may shrink an array (a killed run left it larger)
+        else:  # collect finished writes first, so that their buffers are reused by take() below
+            self._reap(block=False)
+            while len(self._inflight) >= self._max_inflight:
+                self._reap(block=True)
         lo, hi = self._buf_start, self._buf_start + n
-        slices = {}
-        for name in self.arrays:
-            slices[name] = self._buf[name].take(n)  # never written again: safe for the I/O thread
-            self._unsynced.add(self.dir / name / "zarr.json")
-            for k in range(lo // self.S, (hi - 1) // self.S + 1):
-                self._unsynced.add(self._object_path(name, k))
-        self._buf_start, self._buffered = hi, self._buffered - n
-        self._wait_io()
-        if self._io is None or final:
-            self._store_slices(lo, hi, slices, final)
-        else:
-            self._inflight = self._io.submit(self._store_slices, lo, hi, slices, final)
-
-    def _store_slices(self, lo: int, hi: int, slices: dict[str, np.ndarray], final: bool) -> None:
+        objects, slices, lent = [], {}, {}
         for name, arr in self.arrays.items():
-            if arr.shape[0] != hi and (arr.shape[0] < hi or final):
+            if arr.shape[0] < hi or (final and arr.shape[0] != hi):
                 arr.resize((hi, *arr.shape[1:]))
-            arr[lo:hi] = slices[name]
+                self._unsynced.add(self.dir / name / "zarr.json")
+            slices[name], lent[name] = self._buf[name].take(n)  # not touched again until given back
+            objects += [self._object_path(name, k) for k in range(lo // self.S, (hi - 1) // self.S + 1)]
+        self._buf_start, self._buffered = hi, self._buffered - n
+        if self._io is None or final:
+            try:
+                self._store_slices(lo, hi, slices, objects)
+            except BaseException as e:
+                self._failed = e
+                raise
+            self._give_back(lent)
+            return
+        self._inflight.append((self._io.submit(self._store_slices, lo, hi, slices, objects), lent))
 
-    def _wait_io(self) -> None:
-        if self._inflight is not None:
-            f, self._inflight = self._inflight, None
-            f.result()  # re-raises a failed write here, before any commit can refer to it
+    def _store_slices(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path]) -> None:
+        """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories."""
+        for name, arr in self.arrays.items():
+            arr[lo:hi] = slices[name]
+        if self.durable:
+            fsync_files(objects)
+
+    def _give_back(self, lent: dict[str, np.ndarray]) -> None:
+        for name, buf in lent.items():
+            self._buf[name].give_back(buf)
+
+    def _reap(self, block: bool) -> None:
+        """Collect finished writes (with block, at least the oldest); a failed one poisons the writer."""
+        while self._inflight and (block or self._inflight[0][0].done()):
+            f, lent = self._inflight.popleft()
+            block = False
+            try:
+                f.result()  # re-raises a failed write here, before any commit can refer to it
+            except BaseException as e:
+                self._failed = e
+                raise
+            self._give_back(lent)
+
+    def _drain_io(self) -> None:
+        while self._inflight:
+            self._reap(block=True)
 
     def _sync(self) -> None:
+        """fsync what changed since the last commit besides the objects (their I/O thread synced them)."""
         if not self.durable:
             self._unsynced.clear()
             return
-        dirs = set()
-        for p in self._unsynced:
-            try:
-                fd = os.open(p, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            dirs.add(p.parent)
-        for d in dirs:
-            fsync_dir(d)
+        fsync_files(self._unsynced)
         self._unsynced.clear()
 
     def commit(self) -> None:
         """Make every appended sample durable and visible to readers (see the module docstring)."""
         if not self._pending:
             return
+        self._check_ok()
         self._write_objects()
-        self._wait_io()
+        self._drain_io()
         self._sync()
         end = self.num_tokens
         if self._buffered:
@@ -382,6 +386,7 @@ class ShardWriter:
     def finalize(self, stats: dict | None = None) -> None:
         """Commit, write the last object and the consolidated index, and mark the shard complete."""
         if not self.complete:
+            self._check_ok()
             self.commit()
             end = self.num_tokens
             self._write_objects(final=True)
@@ -410,13 +415,19 @@ class ShardWriter:
         )
 
     def close(self) -> None:
+        """Commit what was appended (unless a write failed), then stop the I/O threads."""
         try:
-            if not self.complete:
+            if not self.complete and self._failed is None and not self._aborted:
                 self.commit()
         finally:
-            if self._io is not None:
-                self._io.shutdown(wait=True)
-                self._io = None
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the I/O threads without committing anything more (what was committed stays)."""
+        self._aborted = True
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
 
     def __enter__(self):
         return self
