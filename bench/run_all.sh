@@ -39,8 +39,8 @@ part() {  # part NAME CAP_SECONDS script args...   (BENCH_CAP_<NAME> overrides t
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
   part train_step 170 bench/train_step.py
   part precompute 130 bench/precompute_bench.py
-  part loader 95 bench/loader_bench.py --part loader
   part train_scaling 250 bench/loader_bench.py --part scaling
+  part loader 95 bench/loader_bench.py --part loader
   "$PY" bench/common.py summarize
   echo "dflash bench: done after $(( $(date +%s) - START ))s"
 } 2>&1 | tee "$OUT/log.txt"
