@@ -220,6 +220,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         "num_layers": sh["num_layers"], "block_size": sh["block_size"], "token_budget": sh["token_budget"],
         "num_anchors": sh["num_anchors"], "num_shapes": 1, "num_workers": workers,
         "compile": "off" if tiny else "on", "warmup_steps": 5, "steps": steps, "save_every": 0,
+        "rows_per_batch": int(os.environ.get("BENCH_TRAIN_ROWS", "1")),
         "keep_checkpoints": 1}.items()))
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--config", str(params), "--store", str(store),
            "--target", str(tdir), "--out", str(run), "--gpus", gpus, "--overwrite"]
@@ -256,6 +257,10 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
            "returncode": proc.returncode, "stopped_after_last_step": stopped, "timed_out": timed_out}
     if steady:
         tok = [r["ctx_tokens_per_s"] for r in steady]
+        dts = [r["ctx_tokens"] / r["ctx_tokens_per_s"] for r in steady if r.get("ctx_tokens") and r["ctx_tokens_per_s"]]
+        if dts:  # all steady steps together: tokens over time, and the share of that time spent waiting
+            out["ctx_tokens_per_s_overall"] = round(sum(r["ctx_tokens"] for r in steady) / sum(dts))
+            out["data_wait_frac_overall"] = round(sum(r.get("data_wait_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
         out.update({
             "ctx_tokens_per_s_median": round(median(tok)),
             "ctx_tokens_per_s_mean": round(float(np.mean(tok))),
@@ -278,7 +283,7 @@ def part_scaling(tiny: bool, limit: float) -> None:
     res = Results("train_scaling", tiny=tiny, limit_s=limit, shapes=shapes(tiny))
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
-    steps, skip = (4, 1) if tiny else (25, 5)
+    steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), 5)
     workers = 1 if tiny else 8
     with res.guard("store"):
         build_store(tiny)
@@ -296,6 +301,9 @@ def part_scaling(tiny: bool, limit: float) -> None:
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_median")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_median")
     res.set("scaling_2_over_1", round(b / a, 3) if a and b else None)
+    a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_overall")
+    b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_overall")
+    res.set("scaling_2_over_1_overall", round(b / a, 3) if a and b else None)
     res.set("note", "ctx_tokens_per_s is global (all processes) per optimizer step, median over the steps after "
                     "the first `skipped_first_steps` (compile, warm-up); each process has its own DataLoader")
     res.set("wall_s", round(elapsed(), 1))

@@ -105,7 +105,7 @@ def dir_bytes(p: Path) -> int:
 
 
 def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str,
-                      pipelined: bool = True, budget: int = 0) -> float:
+                      pipelined: bool = True, budget: int = 0, io_threads: int = 2, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
     precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
     from dflash.precompute import open_sink
@@ -117,12 +117,18 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
     sync(device)
     t = time.perf_counter()
     with ShardWriter(store, shard, hidden_width=L * d["hidden_size"], num_layers=L, hidden_dtype=hidden_dtype,
-                     topk=TOPK) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
+                     topk=TOPK, io_threads=io_threads) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
         for members, _, _ in batches:
             write_batch(sink, capture, members, device, hidden_dtype)
+        sync(device)
+        t_last = time.perf_counter()  # the GPU is done: what follows is the store catching up
         sink.finalize({"bench": True})
     sync(device)
-    return time.perf_counter() - t
+    end = time.perf_counter()
+    if stats is not None:
+        stats["drain_s"] = round(end - t_last, 2)
+        stats["gpu_waited_for_store_s"] = round(getattr(sink, "stall_s", 0.0), 2)
+    return end - t
 
 
 def disk_write(path: Path, nbytes: int) -> dict:
@@ -146,7 +152,7 @@ def disk_write(path: Path, nbytes: int) -> dict:
             "what": "numpy buffer -> file.write in 256 MB blocks, then fsync (page cache + disk)"}
 
 
-def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue) -> None:
+def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, hidden_dtype: str = "bf16") -> None:
     """One of the two simultaneous shard processes: its own GPU, its own shard, half of the samples."""
     try:
         from dflash.target import Capture
@@ -168,26 +174,28 @@ def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue) 
         init_s = time.perf_counter() - t
         barrier.wait()
         t0 = time.time()
-        dt = capture_and_write(capture, batches, Path(store), rank, tiny, device, "bf16")
+        pstats = {}
+        dt = capture_and_write(capture, batches, Path(store), rank, tiny, device, hidden_dtype, stats=pstats)
         queue.put({"rank": rank, "tokens": sum(len(s.input_ids) for s in mine), "t0": t0, "t1": time.time(),
-                   "wall_s": dt, "init_s": init_s, "device": device})
+                   "wall_s": dt, "init_s": init_s, "device": device, **pstats})
     except Exception as e:  # noqa: BLE001
         import traceback
 
         queue.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]})
 
 
-def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | None, timeout: float) -> None:
+def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | None, timeout: float,
+                  hidden_dtype: str = "bf16", key: str = "two_gpus") -> None:
     import torch.multiprocessing as mp
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
-        res.set("two_gpus", {"skipped": f"{torch.cuda.device_count()} GPU visible"})
+        res.set(key, {"skipped": f"{torch.cuda.device_count()} GPU visible"})
         return
     store = work_dir() / "pc_two"
-    make_store(store, tiny, "bf16", 2)
+    make_store(store, tiny, hidden_dtype, 2)
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_shard_proc, args=(r, tiny, tokens, str(store), barrier, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_shard_proc, args=(r, tiny, tokens, str(store), barrier, queue, hidden_dtype)) for r in range(2)]
     for p in procs:
         p.start()
     out, deadline = [], time.time() + timeout
@@ -204,14 +212,14 @@ def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | N
             p.kill()
     errors = [o for o in out if "error" in o]
     if errors or len(out) < 2:
-        res.set("two_gpus", {"error": errors[0]["error"] if errors else f"only {len(out)} of 2 processes reported "
+        res.set(key, {"error": errors[0]["error"] if errors else f"only {len(out)} of 2 processes reported "
                              f"within {timeout:.0f}s", "reports": out})
     else:
         total = sum(o["tokens"] for o in out)
         span = max(o["t1"] for o in out) - min(o["t0"] for o in out)
         rate = total / span
-        res.set("two_gpus", {
-            "tokens": total, "wall_s": round(span, 2), "tokens_per_s": round(rate),
+        res.set(key, {
+            "hidden_dtype": hidden_dtype, "tokens": total, "wall_s": round(span, 2), "tokens_per_s": round(rate),
             "per_process": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items() if k not in ("t0", "t1")}
                             for o in sorted(out, key=lambda o: o["rank"])],
             "one_gpu_tokens_per_s": round(one_gpu_rate) if one_gpu_rate else None,
@@ -224,7 +232,7 @@ def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | N
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--tokens", type=int, default=None, help="tokens per measurement (default 120000; tiny 3000)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per measurement (default 300000; tiny 3000)")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per forward batch (precompute's default)")
     ap.add_argument("--disk-gb", type=float, default=None, help="GB for the raw disk write (default 2; tiny 0.25)")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (before) write passes")
@@ -234,7 +242,7 @@ def main() -> None:
     from dflash.config import PrecomputeConfig
     from dflash.target import Capture
 
-    tokens = args.tokens or (3000 if tiny else 120_000)
+    tokens = args.tokens or (3000 if tiny else 300_000)
     budget = args.token_budget or (1024 if tiny else PrecomputeConfig().token_budget)
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
@@ -280,6 +288,24 @@ def main() -> None:
                             "tokens_per_s": round(ntok / dt),
                             "tflops_matmul_est": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
 
+    with res.guard("forward_full"):
+        # The model's whole forward as a capture server runs it: decoder + lm_head logits at every
+        # position (transformers' CausalLM forward), no hooks, nothing copied out.
+        passes = []
+        for _ in range(2):
+            sync(device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                for _, ids, _ in batches:
+                    capture.model(input_ids=ids.to(device), use_cache=False)
+            sync(device)
+            passes.append(time.perf_counter() - t)
+        dt = min(passes)
+        rates["forward_full"] = ntok / dt
+        res.set("forward_full", {"what": "model(input_ids): decoder + lm_head logits at every position, best of 2",
+                                 "s": round(dt, 2), "passes_s": [round(x, 2) for x in passes],
+                                 "tokens_per_s": round(ntok / dt)})
+
     with res.guard("capture"):
         sync(device)
         t = time.perf_counter()
@@ -290,17 +316,19 @@ def main() -> None:
         rates["capture"] = ntok / dt
         res.set("capture", {"what": "forward + hooks on the chosen layers + chunked lm_head top-k (no copy out)",
                             "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
-                            "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None})
+                            "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None,
+                            "ratio_vs_forward_full": round(rates["capture"] / rates["forward_full"], 3) if "forward_full" in rates else None})
 
-    def write_pass(hd: str, pipelined: bool = True) -> None:
-        key = f"write_{hd}" + ("" if pipelined else "_serial")
+    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 2) -> None:
+        key = f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 2 else f"_io{io_threads}")
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
         with res.guard(key):
             store = work_dir() / f"pc_{hd}"
             make_store(store, tiny, hd, 1)
-            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd, pipelined, budget)
+            pstats = {}
+            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
             nbytes = dir_bytes(store)
             from dflash.store import open_store
 
@@ -313,7 +341,8 @@ def main() -> None:
                      "ratio_vs_forward": round(rates[key] / rates["forward"], 3) if "forward" in rates else None,
                      "ratio_vs_capture": round(rates[key] / rates["capture"], 3) if "capture" in rates else None,
                      "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
-                     "write_gb_per_s": round(nbytes / dt / 1e9, 3)}
+                     "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats,
+                     "ratio_vs_forward_full": round(rates[key] / rates["forward_full"], 3) if "forward_full" in rates else None}
             if not pipelined and f"write_{hd}" in rates:
                 entry["pipelined_speedup"] = round(rates[f"write_{hd}"] / rates[key], 3)
             res.set(key, entry)
@@ -326,20 +355,22 @@ def main() -> None:
             capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", pipelined, budget)
             shutil.rmtree(store, ignore_errors=True)
     write_pass("bf16")
-    if not args.no_serial:
-        write_pass("bf16", pipelined=False)
+    write_pass("fp8")
     with res.guard("disk"):
         gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
         res.set("disk", disk_write(work_dir() / "disk_probe.bin", int(gb * 1e9)))
     # Two shard processes next (this process's model stays on GPU 0 beside theirs: 2 x 16 GB fits).
-    left = limit - elapsed() - 10
-    if left < 40:
-        res.set("two_gpus", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
-    else:
-        with res.guard("two_gpus"):
-            two_processes(res, tiny, tokens, rates.get("write_bf16"), timeout=left)
-    write_pass("fp8")
+    for hd in ("bf16", "fp8"):
+        key = "two_gpus" if hd == "bf16" else f"two_gpus_{hd}"
+        left = limit - elapsed() - 10
+        if left < 40:
+            res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
+            continue
+        with res.guard(key):
+            two_processes(res, tiny, tokens, rates.get(f"write_{hd}"), timeout=left, hidden_dtype=hd, key=key)
+    write_pass("bf16", io_threads=4)
     if not args.no_serial:
+        write_pass("bf16", pipelined=False)
         write_pass("fp8", pipelined=False)
     res.set("wall_s", round(elapsed(), 1))
 

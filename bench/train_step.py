@@ -418,7 +418,9 @@ def main() -> None:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
     ap.add_argument("--profile", action="store_true", default=os.environ.get("BENCH_PROFILE") == "1",
                     help="also write a kernel-time profile of 3 steps to $OUT/train_profile_R1.txt")
-    ap.add_argument("--rows", default="2,4,8", help="larger micro-batches to measure, in packed rows ('' for none)")
+    ap.add_argument("--rows-only", action="store_true", default=os.environ.get("BENCH_ROWS_ONLY") == "1",
+                    help="skip the 1-row step, its before/after variants and the baselines")
+    ap.add_argument("--rows", default=os.environ.get("BENCH_ROWS", "2,4,8"), help="larger micro-batches to measure, in packed rows ('' for none)")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(170)
@@ -433,7 +435,8 @@ def main() -> None:
     t = time.perf_counter()
     bench = Bench(args, tiny, device)
     res.set("model_build_s", round(time.perf_counter() - t, 1))
-    run_config(res, bench, "flex", 1, S, Q, k, args, baseline=True)
+    if not args.rows_only:
+        run_config(res, bench, "flex", 1, S, Q, k, args, baseline=True)
     # Larger micro-batches (R packed rows) for MFU headroom, each if the part's time allows a compile.
     args.steps, args.warmup = max(3, args.steps // 2), 2
     for R in [int(x) for x in args.rows.split(",") if x.strip()]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,7 @@ class WritePipeline:
         self._reported = False
         self._closed = False
         self.in_flight_max = 0  # most slots out of the pool at once (tests: never more than `slots`)
+        self.stall_s = 0.0  # time submit() waited for a free slot: the GPU waiting for the store
         self._thread = threading.Thread(target=self._run, name="dflash-store-writer", daemon=True)
         self._thread.start()
 
@@ -157,6 +159,7 @@ class WritePipeline:
         return host
 
     def _take_slot(self) -> _Slot:
+        t0 = time.perf_counter()
         while True:
             try:
                 slot = self._free.get(timeout=0.2)
@@ -165,6 +168,7 @@ class WritePipeline:
                 self._raise_error()
                 if not self._thread.is_alive():
                     raise RuntimeError("the store writer thread has stopped") from None
+        self.stall_s += time.perf_counter() - t0
         self.in_flight_max = max(self.in_flight_max, self.slots - self._free.qsize())
         if self._error is not None:
             self._free.put(slot)
