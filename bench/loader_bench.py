@@ -287,17 +287,19 @@ def part_scaling(tiny: bool, limit: float) -> None:
     workers = 1 if tiny else 8
     with res.guard("store"):
         build_store(tiny)
+    # two GPUs first: the number this part exists for; one GPU with what is left
     left = limit - elapsed() - 10
-    with res.guard("gpus_1"):
-        res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=0.55 * left, tag="g1", workers=workers))
-    left = limit - elapsed() - 5
     if not tiny and n_gpu < 2:
         res.set("gpus_2", {"skipped": f"{n_gpu} GPU(s) visible"})
-    elif left < 30:
-        res.set("gpus_2", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
     else:
         with res.guard("gpus_2"):
-            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=left, tag="g2", workers=workers))
+            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=0.58 * left, tag="g2", workers=workers))
+    left = limit - elapsed() - 5
+    if left < 30:
+        res.set("gpus_1", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
+    else:
+        with res.guard("gpus_1"):
+            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=left, tag="g1", workers=workers))
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_median")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_median")
     res.set("scaling_2_over_1", round(b / a, 3) if a and b else None)

@@ -105,7 +105,7 @@ def dir_bytes(p: Path) -> int:
 
 
 def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str,
-                      pipelined: bool = True, budget: int = 0, io_threads: int = 2, stats: dict | None = None) -> float:
+                      pipelined: bool = True, budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
     precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
     from dflash.precompute import open_sink
@@ -319,8 +319,8 @@ def main() -> None:
                             "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None,
                             "ratio_vs_forward_full": round(rates["capture"] / rates["forward_full"], 3) if "forward_full" in rates else None})
 
-    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 2) -> None:
-        key = f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 2 else f"_io{io_threads}")
+    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4) -> None:
+        key = f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
@@ -368,7 +368,7 @@ def main() -> None:
             continue
         with res.guard(key):
             two_processes(res, tiny, tokens, rates.get(f"write_{hd}"), timeout=left, hidden_dtype=hd, key=key)
-    write_pass("bf16", io_threads=4)
+    write_pass("bf16", io_threads=2)
     if not args.no_serial:
         write_pass("bf16", pipelined=False)
         write_pass("fp8", pipelined=False)

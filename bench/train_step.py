@@ -442,7 +442,7 @@ def main() -> None:
     for R in [int(x) for x in args.rows.split(",") if x.strip()]:
         spent = elapsed()
         flex = res.data.get("flex") if isinstance(res.data.get("flex"), dict) else {}
-        need = 1.3 * float(flex.get("warmup_s") or 60) + 10 * R  # another compile, then a few steps
+        need = 1.3 * float(flex.get("warmup_s") or 30) + 4 * R  # another compile, then a few steps
         if spent + need < limit:
             with res.guard(f"rows{R}"):
                 run_config(res, bench, f"rows{R}", R, S, Q, k, args, baseline=False)
