@@ -77,6 +77,28 @@ def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, tem
     return ce_sum, kd_sum, preds, g.to(logits.dtype)
 
 
+def chunk_terms_eager(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
+    """chunk_terms for eager mode (--compile off, CPU): the same values, computed with in-place passes
+    over one fp32 [c, V] buffer, which eager PyTorch runs faster than chunk_terms' fusible form."""
+    x = logits.float()
+    preds = x.argmax(dim=-1)
+    logp = torch.log_softmax(x, dim=-1)
+    ce_sum = (weights * -logp.gather(1, labels[:, None]).squeeze(1)).sum()
+    g = logp.exp_()  # softmax; d ce / d logits = softmax - onehot
+    g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
+    g *= weights[:, None]
+    kd_sum = ce_sum.new_zeros(())
+    if topk_p is not None:
+        T = temperature
+        logq = torch.log_softmax(x / T, dim=-1)
+        kd = (topk_p * (torch.log(topk_p.clamp_min(1e-30)) - logq.gather(1, topk_ids))).sum(-1) * (T * T)
+        kd_sum = (weights * kd).sum()
+        gk = logq.exp_()
+        gk.scatter_add_(1, topk_ids, -topk_p)
+        g += gk * (kd_weight * T) * weights[:, None]
+    return ce_sum, kd_sum, preds, g.to(logits.dtype)
+
+
 _COMPILED = {}
 
 
@@ -85,7 +107,7 @@ def _terms_fn(fused: bool):
     runs in the step, never in a worker or side thread).  The chunk's row count is marked dynamic by the
     caller, so the short last chunk of every step does not recompile."""
     if not fused:
-        return chunk_terms
+        return chunk_terms_eager
     if "fn" not in _COMPILED:
         _COMPILED["fn"] = torch.compile(chunk_terms, dynamic=False)
     return _COMPILED["fn"]
@@ -235,5 +257,5 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
     return total / denom
 
 
-__all__ = ["IGNORE", "chunk_terms", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
+__all__ = ["IGNORE", "chunk_terms", "chunk_terms_eager", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
            "reference_block_loss"]
