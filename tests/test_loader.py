@@ -228,3 +228,23 @@ def test_read_hidden_into_across_objects_and_tail(tmp_path):
             assert torch.equal(out, hid[sid][:-1]), sid
         with pytest.raises(ValueError, match="contiguous bf16"):
             s.read_hidden_into(0, torch.zeros(2, H * Ly))
+
+
+def test_device_feeder_groups_steps_in_order():
+    """DeviceFeeder hands out one optimizer step's micro-batches at a time, in order, the last step
+    possibly short, then StopIteration; prefetch() is idempotent and the DataLoader wait is counted."""
+    batches = [{"i": i, "x": torch.full((2,), float(i))} for i in range(7)]
+    feeder = L.DeviceFeeder(iter(batches), torch.device("cpu"), per_step=3)
+    got = []
+    while True:
+        try:
+            items = feeder.take()
+        except StopIteration:
+            break
+        feeder.prefetch()
+        feeder.prefetch()  # a second call must not skip a step
+        got.append([feeder.ready(it)["i"] for it in items])
+    assert got == [[0, 1, 2], [3, 4, 5], [6]]
+    assert feeder.wait_s >= 0.0
+    with pytest.raises(StopIteration):
+        feeder.take()

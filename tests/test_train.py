@@ -326,3 +326,31 @@ def test_compiled_ddp_matches_eager(two_process_run, counting, tmp_path):
         assert x["samples"] == y["samples"]
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-4)
     assert [r["recompiles"] for r in b] == [0, 0, 0, 0]
+
+
+def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
+    """train._clip hands the clipping factor to fused AdamW as grad_scale: the update must equal
+    clip_grad_norm_ followed by a plain AdamW step, both when clipping bites and when it does not."""
+    from dflash.train import _clip
+
+    for max_norm in (0.5, 1e6):
+        torch.manual_seed(0)
+        a = torch.nn.Linear(8, 4)
+        b = torch.nn.Linear(8, 4)
+        b.load_state_dict(a.state_dict())
+        x = torch.randn(16, 8)
+        for m in (a, b):
+            (m(x) ** 2).sum().backward()
+        cfg = _cfg("t", "s", "o", grad_clip=max_norm)
+        opt_a = torch.optim.AdamW(a.parameters(), lr=0.1, fused=True)
+        norm = _clip(a, opt_a, cfg, world=1)
+        opt_a.step()
+        ref_norm = torch.nn.utils.clip_grad_norm_(b.parameters(), max_norm)
+        torch.optim.AdamW(b.parameters(), lr=0.1, foreach=False).step()
+        assert torch.allclose(norm, ref_norm)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            # the fused kernel divides the gradients in place: they must be the clipped ones
+            assert torch.allclose(pa.grad, pb.grad, rtol=1e-5, atol=1e-7), max_norm
+            assert torch.allclose(pa, pb, atol=1e-6), max_norm
+        if max_norm < 1:
+            assert float(norm) > max_norm  # clipping did bite in this case
