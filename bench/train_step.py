@@ -26,6 +26,7 @@ import torch
 from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s, pctl, sync, tiny_mode
 from dflash import loader as L
 from dflash import masks
+from dflash.feeder import DeviceFeeder
 from dflash.loss import IGNORE, block_loss
 from dflash.model import DFlashDrafter, DrafterConfig
 
@@ -233,7 +234,7 @@ class Bench:
         fused, prefetch, host_syncs = mode != "old", mode == "new", mode != "new"
         frames0, graphs0 = counters["frames"]["total"], counters["stats"]["unique_graphs"]
         peaks, losses, reserved, events = [], [], [], []
-        feeder = L.DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, 1) if prefetch else None
+        feeder = DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, 1) if prefetch else None
         sync(self.device)
         t0 = time.perf_counter()
         for i in range(n):
@@ -403,7 +404,6 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
         if b and isinstance(old, dict) and old.get("step_ms_wall_mean"):
             b["ratio_vs_flex_old_loop"] = round(b["step_ms_wall_mean"] / old["step_ms_wall_mean"], 3)
             res.set("baseline_create_block_mask_old_loop", b)
-    del batches
 
 
 def main() -> None:

@@ -12,10 +12,8 @@ RNG states go into every checkpoint; the data plan is a function of (seed, epoch
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -28,8 +26,10 @@ from dflash import loader as L
 from dflash import masks
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
+from dflash.feeder import DeviceFeeder
 from dflash.loss import block_loss
-from dflash.preflight import Setup, prepare_run_dir, preflight, truncate_metrics
+from dflash.metrics import RunLogger, step_record
+from dflash.preflight import Setup, prepare_run_dir, preflight
 
 __all__ = ["preflight", "run_training", "lr_at"]
 
@@ -133,14 +133,6 @@ def _load_state(raw, optimizer, model_state, optim_state):
     set_optimizer_state_dict(raw, optimizer, optim_state, options=opts)
 
 
-def _peak_mem_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
 def _compile_count() -> int:
     from torch._dynamo.utils import counters
 
@@ -209,11 +201,11 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
-    logger = _Logger(cfg, setup, rank, world, step, total) if rank == 0 else None
+    logger = RunLogger(cfg, setup, rank, world, step, total) if rank == 0 else None
     # Compilations are expected the first time each (S, Q) shape pair appears (a short list, see
     # loader.shape_set); any other compilation is a recompile, and should stay at zero.
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
-    feeder = L.DeviceFeeder(loader, device, cfg.grad_accum)
+    feeder = DeviceFeeder(loader, device, cfg.grad_accum)
     compiled = _compiled(cfg, device)
     t_last = time.perf_counter()
     tokens_total, time_total = 0, 0.0
@@ -226,7 +218,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         nonlocal tokens_total, time_total
         if p["event"] is not None:
             p["event"].synchronize()
-        rec = _record(p, p["host"].tolist(), cfg, device, _compile_count() - compiles0)
+        rec = step_record(p, p["host"].tolist(), cfg, device, _compile_count() - compiles0)
         rec.update(extra or {})
         if p["step"] > 1 or total == 1:
             tokens_total, time_total = tokens_total + rec["ctx_tokens"], time_total + p["dt"]
@@ -315,32 +307,6 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     return final
 
 
-def _record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
-    B = cfg.block_size
-    ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
-    correct, valid, grad_norm = s[8 : 8 + B], s[8 + B : 8 + 2 * B], s[8 + 2 * B]
-    dt = p["dt"]
-    return {
-        "step": p["step"],
-        "epoch": p["epoch"],
-        "loss": (ce_sum + cfg.kd_weight * kd_sum) / max(wsum, 1e-12),
-        "ce": ce_sum / max(wsum, 1e-12),
-        "kd": kd_sum / max(wsum, 1e-12),
-        "acc": [c / v if v else None for c, v in zip(correct, valid)][1:],
-        "tau": tau_sum / max(nblocks, 1),
-        "lr": p["lr"],
-        "grad_norm": grad_norm,
-        "ctx_tokens": int(ctx_tok),
-        "ctx_tokens_per_s": ctx_tok / dt,
-        "block_tokens_per_s": blk_tok / dt,
-        "samples": int(nsamp),
-        "data_wait_frac": p["data_wait"] / dt,
-        "peak_mem_gb": _peak_mem_gb(device),
-        "compiles": compiles,
-        "recompiles": p["recompiles"],
-    }
-
-
 def _compiled(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
 
@@ -390,78 +356,3 @@ def _offline_eval(setup: Setup, raw, embed, head, rank: int) -> dict:
     res = offline_tau(raw, embed, head, setup.eval_store, num_anchors=setup.cfg.num_anchors, seed=setup.cfg.seed,
                       token_budget=setup.spec.token_budget, block_budget=setup.spec.block_budget, progress=False)
     return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
-
-
-class _Logger:
-    """Rank 0's outputs: metrics.jsonl, TensorBoard, the tqdm bar and the final metrics.json."""
-
-    def __init__(self, cfg: TrainConfig, setup: Setup, rank: int, world: int, start_step: int, total: int):
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
-
-        self.run = Path(cfg.out)
-        self.records = truncate_metrics(self.run / "metrics.jsonl", start_step)
-        self.file = open(self.run / "metrics.jsonl", "a")
-        self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
-        self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        cut = int((setup.store.lengths() > setup.spec.s_shapes[-1]).sum())
-        self.bar.write(
-            f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
-            f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
-            f"Q {setup.spec.q_shapes}"
-            + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else ""), file=sys.stderr)
-        (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
-
-    def log(self, rec: dict) -> None:
-        self.records.append(rec)
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        step = rec["step"]
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and k != "step":
-                self.tb.add_scalar(f"train/{k}", v, step)
-        for k, a in enumerate(rec["acc"], start=1):
-            if a is not None:
-                self.tb.add_scalar(f"acc/pos{k:02d}", a, step)
-        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}",
-                             tok_s=f"{rec['ctx_tokens_per_s']:.0f}", refresh=False)
-        self.bar.update(1)
-
-    def finish(self, tokens_per_s: float) -> dict:
-        self.bar.close()
-        if self.records:
-            r = self.records[-1]
-            print(f"trained {r['step']} steps: loss {r['loss']:.4f}, tau {r['tau']:.3f}, {tokens_per_s:,.0f} "
-                  f"context tokens/s, recompiles after warm-up {r.get('recompiles', 0)}; run in {self.run}",
-                  file=sys.stderr)
-        self.tb.close()
-        self.file.close()
-        last = self.records[-1] if self.records else {}
-        tail = self.records[-10:]
-        final = {
-            "steps": last.get("step", 0),
-            "loss": last.get("loss"),
-            "tau": last.get("tau"),
-            "loss_last10": sum(r["loss"] for r in tail) / max(1, len(tail)),
-            "tau_last10": sum(r["tau"] for r in tail) / max(1, len(tail)),
-            "acc": last.get("acc"),
-            "tokens_per_s": tokens_per_s,
-            "compiles": last.get("compiles"),
-            "recompiles": last.get("recompiles"),
-        }
-        tmp = self.run / ".metrics.json.tmp"
-        tmp.write_text(json.dumps(final, indent=2))
-        os.replace(tmp, self.run / "metrics.json")
-        self._write_curves()
-        return final
-
-    def _write_curves(self) -> None:
-        """curves.csv (step, loss, tau, lr) from the whole metrics.jsonl, resumed segments included:
-        `dvc plots` reads CSV, not JSONL."""
-        rows = [json.loads(line) for line in (self.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        tmp = self.run / ".curves.csv.tmp"
-        with open(tmp, "w") as f:
-            f.write("step,loss,tau,lr\n")
-            for r in rows:
-                f.write(f"{r['step']},{r['loss']:.6f},{r['tau']:.6f},{r.get('lr', 0.0):.6g}\n")
-        os.replace(tmp, self.run / "curves.csv")

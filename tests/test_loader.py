@@ -233,8 +233,10 @@ def test_read_hidden_into_across_objects_and_tail(tmp_path):
 def test_device_feeder_groups_steps_in_order():
     """DeviceFeeder hands out one optimizer step's micro-batches at a time, in order, the last step
     possibly short, then StopIteration; prefetch() is idempotent and the DataLoader wait is counted."""
+    from dflash.feeder import DeviceFeeder
+
     batches = [{"i": i, "x": torch.full((2,), float(i))} for i in range(7)]
-    feeder = L.DeviceFeeder(iter(batches), torch.device("cpu"), per_step=3)
+    feeder = DeviceFeeder(iter(batches), torch.device("cpu"), per_step=3)
     got = []
     while True:
         try:

@@ -12,7 +12,6 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
