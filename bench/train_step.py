@@ -222,7 +222,7 @@ class Bench:
     def timed(self, batches, make_mask, n: int, mode: str) -> dict:
         """n steps cycling over `batches` (pinned host memory).
 
-        mode "new" (dflash.train today): loader.DeviceFeeder copies the next batch on a side stream while
+        mode "new" (dflash.train today): feeder.DeviceFeeder copies the next batch on a side stream while
         this one computes, fused loss, no host sync inside the loop; per-step times are CUDA-event
         intervals on the compute stream, the rate is wall time over all n steps (one sync at the end).
         mode "old" (before): the batch copied on the compute stream at the start of each step, eager loss,
