@@ -79,9 +79,9 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
         n_shapes = len(setup.spec.s_shapes) * len(setup.spec.q_shapes)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * n_shapes + 4)
         # Under DDP the wrapper is compiled, not the drafter: dynamo then splits the graph at DDP's
-        # gradient buckets and each bucket's all-reduce overlaps the rest of the backward.  A compiled
-        # inner module hands DDP every gradient at once, after the whole backward (measured on 2 H200:
-        # 1.68x scaling that way, see docs/BENCHMARKS.md).
+        # gradient buckets and each bucket's all-reduce can overlap the rest of the backward; a compiled
+        # inner module hands DDP every gradient at once, after the whole backward.  (At 1 row per
+        # micro-batch the A/B on 2 H200s was inconclusive; see docs/BENCHMARKS.md.)
         (ddp or raw).compile(dynamic=False)
     return (ddp or raw), raw, ddp
 
@@ -105,7 +105,7 @@ def _clip(raw, optimizer, cfg: TrainConfig, world: int) -> torch.Tensor:
     (its grad_scale input divides every gradient as it reads it), which saves clip_grad_norm_'s extra
     read-modify-write pass over all gradients (~2 ms a step for a 1B-parameter drafter on H200)."""
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    if world > 1 and not _plain_params(cfg) or not optimizer.defaults.get("fused"):
+    if not optimizer.defaults.get("fused") or (world > 1 and not _plain_params(cfg)):
         norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])

@@ -14,8 +14,8 @@ which bounds host memory):
 
 Why the thread is safe: it touches only numpy, zarr, pyarrow, xxhash, os and the host (pinned) tensors
 of its slots through numpy views, plus `torch.cuda.set_device` and `Event.synchronize()` on an event the
-main thread recorded.  It never runs a model, compiled code, or flex-attention masks (no
-create_block_mask or compiled function off the main thread; one process per GPU).  The ShardWriter is
+main thread recorded.  It never runs a model, compiled code, or builds flex-attention masks (the
+project keeps all of those on the main thread; one process per GPU).  The ShardWriter is
 used by one thread at a time: the caller makes it and reads its committed state (resume) before the
 pipeline starts; from then on only the writer thread calls it, until finalize()/close() have joined the
 thread.

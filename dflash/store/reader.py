@@ -53,7 +53,6 @@ class ShardData:
             parts.append(self._tail[name][max(lo, self.zarr_end) - self.zarr_end : hi - self.zarr_end].copy())
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-
     def rows_into(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
         """rows(name, lo, hi) written into `out` (same dtype, hi - lo rows): Zarr decodes straight into
         it, which saves the loader a copy of every hidden state it reads (~40% faster on bf16 stores)."""
