@@ -92,6 +92,8 @@ def main(debug: bool) -> None:
 @click.option("--token-budget", type=int, help="Tokens per target forward batch.")
 @click.option("--max-samples", type=int, help="Use only the first N dataset rows.")
 @click.option("--split", help="Split to read from a saved DatasetDict (default train).")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]),
+              help="torch.compile the top-k reduction (auto: on for CUDA).")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own code.")
 @click.option("--overwrite", is_flag=True, default=None, help="Delete an existing store and start over.")
 @click.option("--restart-changed", is_flag=True, default=None,

@@ -257,19 +257,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 _compiled_flex = None
+# Triton tile sizes for flex_attention's kernels (BLOCK_M, BLOCK_N, num_warps, ... as torch names them),
+# read when the drafter is compiled; empty = torch's defaults.  bench/train_step.py measures choices.
+FLEX_KERNEL_OPTIONS: dict = {}
 
 
 def _flex(q, k, v, block_mask, scale):
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
+    kw = {"kernel_options": dict(FLEX_KERNEL_OPTIONS)} if FLEX_KERNEL_OPTIONS and q.is_cuda else {}
     # Eager flex_attention is a dense reference implementation; on GPU outside a compiled drafter use
     # a compiled kernel. Inside torch.compile of the drafter the plain function is traced directly.
     if q.is_cuda and not torch.compiler.is_compiling():
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention)
-        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+        return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, **kw)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, **kw)
 
 
 def attend(q, k, v, mask, scale: float) -> torch.Tensor:

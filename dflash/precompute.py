@@ -76,6 +76,7 @@ def _check_config(cfg: PrecomputeConfig, num_shards: int) -> None:
         (cfg.lm_head_chunk >= 1, "lm_head_chunk must be positive"),
         (cfg.hidden_dtype in ("bf16", "fp8"), f"--hidden-dtype must be bf16 or fp8, not {cfg.hidden_dtype!r}"),
         (cfg.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, not {cfg.dtype!r}"),
+        (cfg.compile in ("auto", "on", "off"), f"--compile must be auto, on or off, not {cfg.compile!r}"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -194,7 +195,7 @@ def run_shard(job: ShardJob) -> dict:
         if shard_status(cfg.out, shard).get("status") == "complete":
             return shard_status(cfg.out, shard)
         model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
-        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk)
+        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
@@ -261,10 +262,10 @@ def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(members), max(lengths)), pad_id, dtype=torch.long)
     for b, (_, rd) in enumerate(members):
         ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
-    lens = torch.tensor(lengths)
+    lens = torch.tensor(lengths)  # stays on the host: Capture finds the real positions there, sync-free
     if device.type == "cuda":  # no host-device sync here: the GPU may still be busy with the last batch
-        return ids.pin_memory().to(device, non_blocking=True), lens.pin_memory().to(device, non_blocking=True)
-    return ids.to(device), lens.to(device)
+        return ids.pin_memory().to(device, non_blocking=True), lens
+    return ids.to(device), lens
 
 
 def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:

@@ -4,6 +4,12 @@ Hidden states come from forward hooks on the decoder layers rather than `output_
 would keep every layer's activations alive; with top-k off the forward stops right after the last layer
 needed.  Top-k runs lm_head over a chunk of positions at a time, so the full-vocabulary logits of a whole
 batch (rows x length x 150k floats) never exist at once.
+
+Capture never waits for the GPU: real positions are found from `lengths` on the host, not by boolean
+indexing on the device (each of which is a host sync that lets the GPU run dry while precompute's writer
+thread holds the interpreter).  The top-k itself reads the logits in the model's dtype and takes the
+fp32 log-normaliser in one fused pass (compiled on GPU), instead of materialising fp32 log-softmax over
+152k entries per position: on an H200 that was most of the gap between capture and the bare forward.
 """
 
 from __future__ import annotations
@@ -118,7 +124,9 @@ class Capture:
     it, so the fast causal kernel runs and the real positions are exactly those of an unpadded forward.
     """
 
-    def __init__(self, model, layer_ids: list[int], topk: int = 8, lm_head_chunk: int = 4096):
+    def __init__(self, model, layer_ids: list[int], topk: int = 8, lm_head_chunk: int = 4096, compile: str = "auto"):
+        if compile not in ("auto", "on", "off"):
+            raise TargetError(f"compile must be auto, on or off, not {compile!r}.")
         self.model = model
         self.layers = decoder_layers(model)
         self.layer_ids = check_layers(layer_ids, len(self.layers), getattr(model, "name_or_path", "?"))
@@ -129,11 +137,17 @@ class Capture:
         cfg = model.config.get_text_config()
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.logits_scaling = getattr(cfg, "logits_scaling", None)  # Granite divides logits by it
+        device = next(model.parameters()).device
+        self._topk = topk_logprobs
+        if compile == "on" or (compile == "auto" and device.type == "cuda"):
+            # dynamic: the last chunk of a batch is shorter, and must not recompile
+            self._topk = torch.compile(topk_logprobs, dynamic=True)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, L*H]; with top-k also topk_ids [B, T, K] int64 and
-        topk_logprobs [B, T, K] float32 (zeros at padded positions; `lengths` [B] marks the real ones)."""
+        topk_logprobs [B, T, K] float32 (zeros at padded positions).  `lengths` [B] marks the real
+        positions; pass it on the CPU (on a GPU it costs a host sync)."""
         captured: dict[int, torch.Tensor] = {}
         last_needed = max(self.layer_ids)
         last_layer = len(self.layers) - 1
@@ -159,31 +173,59 @@ class Capture:
                 h.remove()
         result = {"hidden": torch.cat([captured[i] for i in self.layer_ids], dim=-1)}
         if self.topk > 0:
-            ids, logprobs = self.topk_of(out.last_hidden_state, input_ids.shape, lengths)
+            ids, logprobs = self.topk_of(out.last_hidden_state, lengths)
             result["topk_ids"], result["topk_logprobs"] = ids, logprobs
         return result
 
-    def topk_of(self, last_hidden: torch.Tensor, shape, lengths) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = shape
-        if lengths is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=last_hidden.device)
-        else:
-            valid = torch.arange(T, device=last_hidden.device)[None, :] < lengths.to(last_hidden.device)[:, None]
-        flat = last_hidden[valid]  # [N, H], real positions only
+    def topk_of(self, last_hidden: torch.Tensor, lengths) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, H = last_hidden.shape
+        device = last_hidden.device
+        flat = last_hidden.reshape(B * T, H)
+        rows = real_positions(B, T, lengths)  # host tensor, or None when every position is real
+        if rows is not None:
+            rows = rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
+            flat = flat.index_select(0, rows)
         head = self.model.get_output_embeddings()
-        ids = torch.zeros(B, T, self.topk, dtype=torch.int64, device=last_hidden.device)
-        logprobs = torch.zeros(B, T, self.topk, dtype=torch.float32, device=last_hidden.device)
         out_ids, out_lp = [], []
         for s in range(0, flat.shape[0], self.lm_head_chunk):
-            logits = head(flat[s : s + self.lm_head_chunk]).float()
-            if self.logits_scaling:
-                logits = logits / self.logits_scaling
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            lp, ix = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+            ix, lp = self._topk(head(flat[s : s + self.lm_head_chunk]), self.topk, self.logits_scaling, self.softcap)
             out_ids.append(ix)
             out_lp.append(lp)
-        if out_ids:
-            ids[valid] = torch.cat(out_ids)
-            logprobs[valid] = torch.cat(out_lp)
-        return ids, logprobs
+        ids = torch.cat(out_ids) if out_ids else torch.zeros(0, self.topk, dtype=torch.int64, device=device)
+        logprobs = torch.cat(out_lp) if out_lp else torch.zeros(0, self.topk, dtype=torch.float32, device=device)
+        if rows is not None:  # back to [B*T, K] with zeros at the padded positions
+            ids = torch.zeros(B * T, self.topk, dtype=torch.int64, device=device).index_copy_(0, rows, ids)
+            logprobs = torch.zeros(B * T, self.topk, dtype=torch.float32, device=device).index_copy_(0, rows, logprobs)
+        return ids.view(B, T, self.topk), logprobs.view(B, T, self.topk)
+
+
+def real_positions(B: int, T: int, lengths) -> torch.Tensor | None:
+    """Flat indices (b * T + t, t < lengths[b]) of a right-padded [B, T] batch's real positions, made on
+    the host; None when no position is padding."""
+    if lengths is None:
+        return None
+    lengths = torch.as_tensor(lengths).cpu().long().clamp(0, T)
+    if bool((lengths == T).all()):
+        return None
+    valid = torch.arange(T)[None, :] < lengths[:, None]
+    return valid.reshape(-1).nonzero().squeeze(1)
+
+
+def topk_logprobs(logits: torch.Tensor, k: int, scaling: float | None = None, softcap: float | None = None):
+    """[N, V] logits in the model's dtype -> (top-k ids [N, k] int64, their log-probs [N, k] float32).
+
+    Scaling by a positive constant and tanh soft-capping keep the order of the logits, so the top-k is
+    taken on the raw logits (half the bytes of fp32) and only the k winners and the log-normaliser are
+    computed in fp32; compiled, the upcast fuses into the logsumexp reduction (one read of the logits)."""
+
+    def transform(x):
+        x = x.float()
+        if scaling:
+            x = x / scaling
+        if softcap:
+            x = torch.tanh(x / softcap) * softcap
+        return x
+
+    lse = torch.logsumexp(transform(logits), dim=-1, keepdim=True)
+    vals, ids = logits.topk(k, dim=-1)
+    return ids, transform(vals) - lse

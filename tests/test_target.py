@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.errors import TargetError
-from dflash.target import Capture, check_layers, load_target, load_tokenizer
+from dflash.target import Capture, check_layers, load_target, load_tokenizer, real_positions, topk_logprobs
 from helpers import make_tiny_target
 
 CPU = torch.device("cpu")
@@ -18,8 +18,8 @@ def target(request, tmp_path_factory):
     return d, load_target(d, torch.float32, CPU)
 
 
-@pytest.mark.parametrize("topk", [0, 5])
-def test_capture_equals_output_hidden_states(target, topk):
+@pytest.mark.parametrize("topk,compile", [(0, "off"), (5, "off"), (5, "on")])
+def test_capture_equals_output_hidden_states(target, topk, compile):
     _, model = target
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (3, 19))
@@ -27,7 +27,7 @@ def test_capture_equals_output_hidden_states(target, topk):
     layers = [2, 0, 3]  # order is kept; the last layer gets the final norm like hidden_states[-1]
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True, use_cache=False)
-    got = Capture(model, layers, topk=topk, lm_head_chunk=7)(ids, lengths)
+    got = Capture(model, layers, topk=topk, lm_head_chunk=7, compile=compile)(ids, lengths)
     want = torch.cat([ref.hidden_states[i + 1] for i in layers], dim=-1)
     assert got["hidden"].shape == (3, 19, len(layers) * model.config.hidden_size)
     assert torch.equal(got["hidden"], want)  # fp32: the hooks see the very tensors transformers returns
@@ -89,3 +89,38 @@ def test_tokenizer_without_chat_template(tmp_path):
     d = make_tiny_target(tmp_path, arch="llama", chat_template=False, hidden_size=32, num_layers=2)
     with pytest.raises(TargetError, match="no chat template"):
         load_tokenizer(d)
+
+
+def _reference_topk(logits, k, scaling=None, softcap=None):
+    x = logits.float()
+    if scaling:
+        x = x / scaling
+    if softcap:
+        x = torch.tanh(x / softcap) * softcap
+    return torch.log_softmax(x, dim=-1).topk(k, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling,softcap", [(None, None), (4.0, None), (None, 30.0), (0.5, 10.0)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_topk_logprobs_matches_fp32_log_softmax(dtype, scaling, softcap, compiled):
+    """Top-k on the raw logits + fused fp32 log-normaliser == fp32 log_softmax then top-k.  bf16 logits
+    have ties, so ids are checked through the reference log-prob of each returned id."""
+    torch.manual_seed(0)
+    fn = torch.compile(topk_logprobs, dynamic=True) if compiled else topk_logprobs
+    for n in (13, 5):  # a second, shorter chunk must not recompile into a wrong shape
+        logits = (torch.randn(n, 3001) * 6).to(dtype)
+        ids, lp = fn(logits, 8, scaling, softcap)
+        ref_lp, _ = _reference_topk(logits, 8, scaling, softcap)
+        full = _reference_topk(logits, logits.shape[-1], scaling, softcap)
+        full_lp = torch.empty(n, logits.shape[-1]).scatter_(1, full[1], full[0])
+        assert ids.dtype == torch.int64 and lp.dtype == torch.float32 and ids.shape == (n, 8)
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=2e-5)
+        torch.testing.assert_close(full_lp.gather(1, ids), lp, rtol=0, atol=2e-5)
+        assert (lp[:, :-1] >= lp[:, 1:]).all()  # sorted, largest first
+
+
+def test_real_positions_are_found_on_the_host():
+    rows = real_positions(3, 5, torch.tensor([5, 2, 0]))
+    assert rows.device.type == "cpu" and rows.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert real_positions(2, 4, [4, 4]) is None and real_positions(2, 4, None) is None
