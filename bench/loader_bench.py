@@ -270,6 +270,8 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             "peak_mem_gb": max(r.get("peak_mem_gb", 0) for r in steady),
             "compiles": steady[-1].get("compiles"), "recompiles": steady[-1].get("recompiles"),
             "loss_first_last": [recs[0].get("loss"), recs[-1].get("loss")],
+            # every steady step: [step, ctx tok/s, data-wait fraction] (where a stall happened, if one did)
+            "per_step": [[r.get("step"), r.get("ctx_tokens_per_s"), round(r.get("data_wait_frac", 0), 4)] for r in steady],
         })
     if not recs or proc.returncode not in (0, None, -signal.SIGKILL) or timed_out:
         out["log_tail"] = log.read_text()[-3000:]
@@ -283,8 +285,8 @@ def part_scaling(tiny: bool, limit: float) -> None:
     res = Results("train_scaling", tiny=tiny, limit_s=limit, shapes=shapes(tiny))
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
-    steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), 5)
-    workers = 1 if tiny else 8
+    steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), int(os.environ.get("BENCH_TRAIN_SKIP", "5")))
+    workers = 1 if tiny else int(os.environ.get("BENCH_TRAIN_WORKERS", "8"))
     with res.guard("store"):
         build_store(tiny)
     # two GPUs first: the number this part exists for; one GPU with what is left

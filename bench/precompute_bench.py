@@ -28,6 +28,8 @@ import torch
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
 
 TOPK = 8
+ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 disk "
+              "two_gpus two_gpus_fp8 io2 serial")
 
 
 def build_target(tiny: bool, device: str):
@@ -47,6 +49,34 @@ def build_target(tiny: bool, device: str):
     finally:
         torch.set_default_dtype(prev)
     return model.eval().requires_grad_(False)
+
+
+def capture_before_class():
+    """Capture with session 2's top-k path, for a before/after in one run: fp32 log_softmax over every
+    chunk of logits, then top-k on it, and real positions picked by boolean indexing on the device (a
+    host sync per indexing)."""
+    from dflash.target import Capture
+
+    class CaptureBefore(Capture):
+        def topk_of(self, last_hidden, lengths):
+            B, T, _ = last_hidden.shape
+            dev = last_hidden.device
+            valid = torch.arange(T, device=dev)[None, :] < torch.as_tensor(lengths).to(dev)[:, None]
+            flat = last_hidden[valid]
+            head = self.model.get_output_embeddings()
+            ids = torch.zeros(B, T, self.topk, dtype=torch.int64, device=dev)
+            logprobs = torch.zeros(B, T, self.topk, dtype=torch.float32, device=dev)
+            out_ids, out_lp = [], []
+            for s in range(0, flat.shape[0], self.lm_head_chunk):
+                logits = head(flat[s : s + self.lm_head_chunk]).float()
+                lp, ix = torch.log_softmax(logits, dim=-1).topk(self.topk, dim=-1)
+                out_ids.append(ix)
+                out_lp.append(lp)
+            ids[valid] = torch.cat(out_ids)
+            logprobs[valid] = torch.cat(out_lp)
+            return ids, logprobs
+
+    return CaptureBefore
 
 
 def sequences(tiny: bool, tokens: int, vocab: int, seed: int = 0):
@@ -169,7 +199,7 @@ def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, 
         samples = sequences(tiny, tokens, d["vocab_size"])
         mine = [s for i, s in enumerate(samples) if i % 2 == rank]
         batches = batches_of(mine, 1024 if tiny else 16384)
-        capture(batches[0][1].to(device), batches[0][2].to(device))  # warm-up
+        capture(batches[0][1].to(device), batches[0][2])  # warm-up (lengths stay on the host)
         sync(device)
         init_s = time.perf_counter() - t
         barrier.wait()
@@ -236,7 +266,14 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per forward batch (precompute's default)")
     ap.add_argument("--disk-gb", type=float, default=None, help="GB for the raw disk write (default 2; tiny 0.25)")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (before) write passes")
+    ap.add_argument("--passes", default=os.environ.get("BENCH_PC_PASSES", ALL_PASSES),
+                    help=f"which measurements, in this order of priority (default: {ALL_PASSES})")
+    ap.add_argument("--shape", default=None, help="target shape: qwen3-8b (default) or qwen3-32b")
+    ap.add_argument("--name", default="precompute", help="results file $OUT/<name>.json")
     args = ap.parse_args()
+    passes = set(args.passes.split())
+    if args.shape:
+        os.environ["BENCH_SHAPE"] = args.shape  # dims() reads it, here and in the shard processes
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(130)
     from dflash.config import PrecomputeConfig
@@ -248,7 +285,7 @@ def main() -> None:
     if device == "cpu":
         torch.set_num_threads(1)
     d = dims(tiny)
-    res = Results("precompute", tiny=tiny, device=device, tokens_target=tokens, token_budget=budget, topk=TOPK,
+    res = Results(args.name, shape=os.environ.get("BENCH_SHAPE") or "qwen3-8b", tiny=tiny, device=device, tokens_target=tokens, token_budget=budget, topk=TOPK,
                   target_layer_ids=d["target_layer_ids"], limit_s=limit)
     t = time.perf_counter()
     model = build_target(tiny, device)
@@ -257,6 +294,7 @@ def main() -> None:
     res.set("target_build", {"s": round(time.perf_counter() - t, 1), "params": n_params,
                              "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if device != "cpu" else None})
     capture = Capture(model, d["target_layer_ids"], topk=TOPK, lm_head_chunk=4096)
+    capture_before = capture_before_class()(model, d["target_layer_ids"], topk=TOPK, lm_head_chunk=4096)
     samples = sequences(tiny, tokens, d["vocab_size"])
     batches = batches_of(samples, budget)
     ntok = sum(len(s.input_ids) for s in samples)
@@ -267,7 +305,10 @@ def main() -> None:
     # warm-up: kernels, cuBLAS handles, allocator
     with torch.inference_mode():
         capture.decoder(input_ids=batches[0][1].to(device), use_cache=False)
-    capture(batches[0][1].to(device), batches[0][2].to(device))
+    capture(batches[0][1].to(device), batches[0][2])
+    capture(batches[-1][1].to(device), batches[-1][2])  # the compiled top-k meets a second chunk length
+    if "capture_before" in passes or "write_bf16_before" in passes:
+        capture_before(batches[0][1].to(device), batches[0][2])
     sync(device)
 
     rates = {}
@@ -275,7 +316,7 @@ def main() -> None:
     def best_of_two(module) -> tuple[float, list[float]]:
         """Seconds for one pass of `module` over every batch, best of two (the first pass also meets
         every batch shape for the first time)."""
-        passes = []
+        times = []
         for _ in range(2):
             sync(device)
             t = time.perf_counter()
@@ -283,39 +324,51 @@ def main() -> None:
                 for _, ids, _ in batches:
                     module(input_ids=ids.to(device), use_cache=False)
             sync(device)
-            passes.append(time.perf_counter() - t)
-        return min(passes), [round(x, 2) for x in passes]
+            times.append(time.perf_counter() - t)
+        return min(times), [round(x, 2) for x in times]
 
-    with res.guard("forward"):
-        dt, passes = best_of_two(capture.decoder)
-        rates["forward"] = ntok / dt
-        res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k), best of 2 passes",
-                            "s": round(dt, 2), "passes_s": passes, "tokens_per_s": round(ntok / dt),
-                            "tflops_matmul_est": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
+    def ratios(key: str) -> dict:
+        return {f"ratio_vs_{ref}": round(rates[key] / rates[ref], 3) for ref in ("forward", "forward_full", "capture")
+                if ref in rates and ref != key}
 
-    with res.guard("forward_full"):
-        # The model's whole forward as a capture server runs it: decoder + lm_head logits at every
-        # position (transformers' CausalLM forward), no hooks, nothing copied out.
-        dt, passes = best_of_two(capture.model)
-        rates["forward_full"] = ntok / dt
-        res.set("forward_full", {"what": "model(input_ids): decoder + lm_head logits at every position, best of 2",
-                                 "s": round(dt, 2), "passes_s": passes, "tokens_per_s": round(ntok / dt)})
+    if "forward" in passes:
+        with res.guard("forward"):
+            dt, times = best_of_two(capture.decoder)
+            rates["forward"] = ntok / dt
+            res.set("forward", {"what": "decoder forward only (no hooks, no lm_head, no top-k), best of 2 passes",
+                                "s": round(dt, 2), "passes_s": times, "tokens_per_s": round(ntok / dt),
+                                "tflops_matmul_est": round(2 * (n_params - 2 * d["vocab_size"] * d["hidden_size"]) * padded / dt / 1e12, 1)})
 
-    with res.guard("capture"):
-        sync(device)
-        t = time.perf_counter()
-        for _, ids, lengths in batches:
-            capture(ids.to(device), lengths.to(device))
-        sync(device)
-        dt = time.perf_counter() - t
-        rates["capture"] = ntok / dt
-        res.set("capture", {"what": "forward + hooks on the chosen layers + chunked lm_head top-k (no copy out)",
-                            "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
-                            "ratio_vs_forward": round(rates["capture"] / rates["forward"], 3) if "forward" in rates else None,
-                            "ratio_vs_forward_full": round(rates["capture"] / rates["forward_full"], 3) if "forward_full" in rates else None})
+    if "forward_full" in passes:
+        with res.guard("forward_full"):
+            # The model's whole forward as a capture server runs it: decoder + lm_head logits at every
+            # position (transformers' CausalLM forward), no hooks, nothing copied out.
+            dt, times = best_of_two(capture.model)
+            rates["forward_full"] = ntok / dt
+            res.set("forward_full", {"what": "model(input_ids): decoder + lm_head logits at every position, best of 2",
+                                     "s": round(dt, 2), "passes_s": times, "tokens_per_s": round(ntok / dt), **ratios("forward_full")})
 
-    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4) -> None:
-        key = f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
+    def capture_pass(key: str, cap, what: str) -> None:
+        with res.guard(key):
+            sync(device)
+            t = time.perf_counter()
+            for _, ids, lengths in batches:
+                cap(ids.to(device), lengths)  # lengths on the host, as precompute passes them
+            sync(device)
+            dt = time.perf_counter() - t
+            rates[key] = ntok / dt
+            res.set(key, {"what": what, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key)})
+
+    if "capture" in passes:
+        capture_pass("capture", capture, "forward + hooks on the chosen layers + chunked lm_head top-k (no copy out): "
+                     "top-k on the bf16 logits, fused fp32 logsumexp (compiled), real positions from host lengths")
+    if "capture_before" in passes:
+        capture_pass("capture_before", capture_before, "the same with session 2's top-k: fp32 log_softmax per chunk "
+                     "then top-k, real positions by boolean indexing on the device (host syncs)")
+
+    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False) -> None:
+        key = (f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
+               + ("_before" if before else ""))
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
@@ -323,7 +376,8 @@ def main() -> None:
             store = work_dir() / f"pc_{hd}"
             make_store(store, tiny, hd, 1)
             pstats = {}
-            dt = capture_and_write(capture, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
+            cap = capture_before if before else capture
+            dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
             nbytes = dir_bytes(store)
             from dflash.store import open_store
 
@@ -331,44 +385,52 @@ def main() -> None:
             rates[key] = ntok / dt
             how = ("write pipeline: writer thread, 3 pinned host buffers (what precompute runs)" if pipelined
                    else "serial: .cpu() copy, append, commits inline (the path before the pipeline)")
-            entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}",
-                     "pipelined": pipelined, "s": round(dt, 2), "tokens_per_s": round(ntok / dt),
-                     "ratio_vs_forward": round(rates[key] / rates["forward"], 3) if "forward" in rates else None,
-                     "ratio_vs_capture": round(rates[key] / rates["capture"], 3) if "capture" in rates else None,
+            entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}"
+                             + ("; session 2's top-k (capture_before)" if before else ""),
+                     "pipelined": pipelined, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key),
                      "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
-                     "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats,
-                     "ratio_vs_forward_full": round(rates[key] / rates["forward_full"], 3) if "forward_full" in rates else None}
+                     "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats}
+            if pstats.get("drain_s") is not None:  # the rate a long run approaches: the drain is paid once per shard
+                entry["tokens_per_s_without_drain"] = round(ntok / max(dt - pstats["drain_s"], 1e-9))
             if not pipelined and f"write_{hd}" in rates:
                 entry["pipelined_speedup"] = round(rates[f"write_{hd}"] / rates[key], 3)
             res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
-    with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
-        for pipelined in (True, False):
-            store = work_dir() / "pc_warmup"
-            make_store(store, tiny, "bf16", 1)
-            capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", pipelined, budget)
-            shutil.rmtree(store, ignore_errors=True)
-    write_pass("bf16")
-    write_pass("fp8")
-    with res.guard("disk"):
-        gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
-        res.set("disk", disk_write(work_dir() / "disk_probe.bin", int(gb * 1e9)))
+    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "io2", "serial"}:
+        with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
+            for pipelined in (True, False):
+                store = work_dir() / "pc_warmup"
+                make_store(store, tiny, "bf16", 1)
+                capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", pipelined, budget)
+                shutil.rmtree(store, ignore_errors=True)
+    if "write_bf16" in passes:
+        write_pass("bf16")
+    if "write_bf16_before" in passes:
+        write_pass("bf16", before=True)
+    if "write_fp8" in passes:
+        write_pass("fp8")
+    if "disk" in passes:
+        with res.guard("disk"):
+            gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
+            res.set("disk", disk_write(work_dir() / "disk_probe.bin", int(gb * 1e9)))
     # Two shard processes next (this process's model stays on GPU 0 beside theirs: 2 x 16 GB fits).
     for hd in ("bf16", "fp8"):
         key = "two_gpus" if hd == "bf16" else f"two_gpus_{hd}"
+        if key not in passes:
+            continue
         left = limit - elapsed() - 10
         if left < 40:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             continue
         with res.guard(key):
             two_processes(res, tiny, tokens, rates.get(f"write_{hd}"), timeout=left, hidden_dtype=hd, key=key)
-    write_pass("bf16", io_threads=2)
-    if not args.no_serial:
+    if "io2" in passes:
+        write_pass("bf16", io_threads=2)
+    if "serial" in passes and not args.no_serial:
         write_pass("bf16", pipelined=False)
         write_pass("fp8", pipelined=False)
     res.set("wall_s", round(elapsed(), 1))
-
 
 if __name__ == "__main__":
     main()

@@ -167,9 +167,9 @@ FLOP_FORMULAS = {
 
 
 class Bench:
-    def __init__(self, args, tiny: bool, device: str):
+    def __init__(self, args, tiny: bool, device: str, shape: str | None = None):
         self.args, self.tiny, self.device = args, tiny, device
-        d = dims(tiny)
+        d = dims(tiny, shape)
         self.cfg = DrafterConfig(
             hidden_size=d["hidden_size"], num_hidden_layers=args.layers, num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
@@ -314,7 +314,7 @@ def time_fn(fn, device, n: int) -> list[float]:
     return out
 
 
-def profile_steps(bench: Bench, batches, R: int) -> None:
+def profile_steps(bench: Bench, batches, R: int, tag: str | None = None) -> None:
     """torch.profiler over 3 steps as dflash.train runs them: the kernels by self device time, to
     $OUT/train_profile_R<R>.txt (where a step's time goes, for the next optimisation)."""
     from torch.profiler import ProfilerActivity, profile
@@ -331,7 +331,7 @@ def profile_steps(bench: Bench, batches, R: int) -> None:
             break
         except Exception:  # noqa: BLE001  (the sort key's name changed across torch versions)
             continue
-    (out_dir() / f"train_profile_R{R}.txt").write_text(table)
+    (out_dir() / f"train_profile_{tag or f'R{R}'}.txt").write_text(table)
 
 
 def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: int, args, baseline: bool) -> None:
@@ -386,9 +386,9 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
                   args.warmup)
     if key == "flex":
         res.set("flop_formulas", FLOP_FORMULAS)
-    if args.profile and (key == "flex" or key == "rows4"):
+    if (args.profile and key in ("flex", "rows4")) or getattr(args, "profile_this", False):
         with res.guard("profile"):
-            profile_steps(bench, batches, R)
+            profile_steps(bench, batches, R, key if key.startswith("v_") else None)
     if baseline:
         # before / after of this session's step changes, same batches, same compiled drafter
         for mode in ("old", "fused_only"):
@@ -421,6 +421,8 @@ def main() -> None:
     ap.add_argument("--rows-only", action="store_true", default=os.environ.get("BENCH_ROWS_ONLY") == "1",
                     help="skip the 1-row step, its before/after variants and the baselines")
     ap.add_argument("--rows", default=os.environ.get("BENCH_ROWS", "2,4,8"), help="larger micro-batches to measure, in packed rows ('' for none)")
+    ap.add_argument("--variants", default=os.environ.get("BENCH_VARIANTS", ""),
+                    help="';'-separated step variants, e.g. 'R=8;R=8,chunk=8192;R=4,shape=qwen3-32b' (see parse_variant)")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(170)
@@ -448,7 +450,82 @@ def main() -> None:
                 run_config(res, bench, f"rows{R}", R, S, Q, k, args, baseline=False)
         else:
             res.set(f"rows{R}", {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
+    run_variants(res, bench, args, tiny, device, S, Q, k, limit)
     res.set("wall_s", round(elapsed(), 1))
+
+
+def parse_variant(spec: str) -> dict:
+    """'R=8,chunk=8192,shape=qwen3-32b,autotune=1,fwd=128:64:4:3,bwd=64:128:128:64:8:3,profile=1' -> dict.
+    fwd = BLOCK_M:BLOCK_N:num_warps:num_stages; bwd = BLOCK_M1:BLOCK_N1:BLOCK_M2:BLOCK_N2:num_warps:num_stages
+    (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
+    on cuBLAS)."""
+    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False}
+    for part in spec.split(","):
+        key, _, val = part.strip().partition("=")
+        if key == "R":
+            out["R"] = int(val)
+        elif key == "chunk":
+            out["chunk"] = int(val)
+        elif key == "shape":
+            out["shape"] = val
+        elif key in ("autotune", "profile"):
+            out[key] = val not in ("0", "")
+        elif key == "fwd":
+            bm, bn, w, st = (int(x) for x in val.split(":"))
+            out["flex"].update(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        elif key == "bwd":
+            m1, n1, m2, n2, w, st = (int(x) for x in val.split(":"))
+            out["flex"].update(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
+            out["flex"].setdefault("num_warps", w)
+            out["flex"].setdefault("num_stages", st)
+        else:
+            raise SystemExit(f"unknown variant key {key!r} in {spec!r}")
+    return out
+
+
+def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S: int, Q: int, k: int, limit: float) -> None:
+    """$BENCH_VARIANTS / --variants: ';'-separated step configurations (see parse_variant), each measured
+    like a rows config; a new shape, flex tile choice or autotuning gets a freshly built, compiled drafter."""
+    import gc
+
+    from dflash import model as dmodel
+
+    current = (None, False, {})
+    for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
+        v = parse_variant(spec)
+        key = "v_" + "_".join(p.strip().replace("=", "").replace(":", "-") for p in spec.split(","))
+        spent = elapsed()
+        need = 60 + (90 if v["autotune"] else 0) + 5 * v["R"] + (30 if v["shape"] else 0)
+        if spent + need > limit:
+            res.set(key, {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
+            continue
+        with res.guard(key):
+            want = (v["shape"], v["autotune"], v["flex"])
+            if want != current:
+                del bench
+                gc.collect()
+                torch._dynamo.reset()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                import torch._inductor.config as icfg
+
+                icfg.max_autotune = v["autotune"]
+                icfg.max_autotune_gemm_backends = "ATEN" if v["autotune"] else icfg.max_autotune_gemm_backends
+                dmodel.FLEX_KERNEL_OPTIONS.clear()
+                dmodel.FLEX_KERNEL_OPTIONS.update(v["flex"])
+                t = time.perf_counter()
+                bench = Bench(args, tiny, device, v["shape"])
+                res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
+                current = want
+            chunk0, args.lm_head_chunk = args.lm_head_chunk, v["chunk"] or args.lm_head_chunk
+            args.profile_this = v["profile"]
+            try:
+                run_config(res, bench, key, v["R"], S, Q, k, args, baseline=False)
+                res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
+                                                  autotune=v["autotune"], flex_kernel_options=v["flex"])
+                res.save()
+            finally:
+                args.lm_head_chunk, args.profile_this = chunk0, False
 
 
 if __name__ == "__main__":
