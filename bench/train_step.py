@@ -454,35 +454,20 @@ def main() -> None:
     res.set("wall_s", round(elapsed(), 1))
 
 
-def chunk_terms_lse(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
-    """loss.chunk_terms as it was before the online-softmax form (torch.logsumexp), for the variant
-    'loss=lse': the before of that change, same run."""
-    x = logits.float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    preds = x.argmax(dim=-1)
-    w = weights[:, None]
-    ce = lse.squeeze(1) - x.gather(1, labels[:, None]).squeeze(1)
-    ce_sum = (weights * ce).sum()
-    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
-    g = (torch.exp(x - lse) - onehot.float()) * w
-    assert topk_p is None, "the bench step has no KD term"
-    return ce_sum, ce_sum.new_zeros(()), preds, g.to(logits.dtype)
-
-
 def parse_variant(spec: str) -> dict:
     """'R=8,chunk=8192,shape=qwen3-32b,autotune=1,fwd=128:64:4:3,bwd=64:128:128:64:8:3,profile=1' -> dict.
     fwd = BLOCK_M:BLOCK_N:num_warps:num_stages; bwd = BLOCK_M1:BLOCK_N1:BLOCK_M2:BLOCK_N2:num_warps:num_stages
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
     on cuBLAS)."""
-    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "loss": None}
+    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False}
     for part in spec.split(","):
         key, _, val = part.strip().partition("=")
         if key == "R":
             out["R"] = int(val)
         elif key == "chunk":
             out["chunk"] = int(val)
-        elif key in ("shape", "loss"):
-            out[key] = val
+        elif key == "shape":
+            out["shape"] = val
         elif key in ("autotune", "profile"):
             out[key] = val not in ("0", "")
         elif key == "fwd":
@@ -503,10 +488,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
     like a rows config; a new shape, flex tile choice or autotuning gets a freshly built, compiled drafter."""
     import gc
 
-    from dflash import loss as dloss
     from dflash import model as dmodel
-
-    terms_now = dloss.chunk_terms
 
     current = (None, False, {})
     for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
@@ -537,8 +519,6 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 current = want
             chunk0, args.lm_head_chunk = args.lm_head_chunk, v["chunk"] or args.lm_head_chunk
             args.profile_this = v["profile"]
-            dloss.chunk_terms = chunk_terms_lse if v["loss"] == "lse" else terms_now
-            dloss._COMPILED.clear()  # compiled again from the form just chosen
             try:
                 run_config(res, bench, key, v["R"], S, Q, k, args, baseline=False)
                 res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
@@ -546,8 +526,6 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 res.save()
             finally:
                 args.lm_head_chunk, args.profile_this = chunk0, False
-                dloss.chunk_terms = terms_now
-                dloss._COMPILED.clear()
 
 
 if __name__ == "__main__":
