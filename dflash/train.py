@@ -253,8 +253,11 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
                 raw.set_requires_gradient_sync(last_micro)
             with sync:
                 out = _forward_backward(model, m, embed, head, autocast, cfg, denom=denom / world, fused=compiled)
-            if i == 0:
-                feeder.prefetch()  # the next step's host-to-device copies overlap this step's compute
+            if i == 0 and step + 1 < total:
+                # The next step's host-to-device copies overlap this step's compute.  None after the
+                # last step: asking an exhausted DataLoader for more joins its workers (~0.3 s on an
+                # H200 host), which would be counted as the last step's data wait.
+                feeder.prefetch()
             counts = torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]], dtype=torch.float64)
             if device.type == "cuda":
                 counts = counts.pin_memory().to(device, non_blocking=True)  # no host sync
