@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from common import ROOT, Results, dims, elapsed, make_fake_target, median, part_limit_s, tiny_mode, work_dir
+from common import ROOT, Results, dims, elapsed, make_fake_target, median, out_dir, part_limit_s, tiny_mode, work_dir
 
 TOPK = 8
 
@@ -221,6 +222,8 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         "num_anchors": sh["num_anchors"], "num_shapes": 1, "num_workers": workers,
         "compile": "off" if tiny else "on", "warmup_steps": 5, "steps": steps, "save_every": 0,
         "rows_per_batch": int(os.environ.get("BENCH_TRAIN_ROWS", "1")),
+        # BENCH_TRAIN_PROFILE=N: N steps profiled in every process (after the skipped ones), tables to $OUT
+        "profile_steps": int(os.environ.get("BENCH_TRAIN_PROFILE", "0")), "profile_start": skip,
         "keep_checkpoints": 1}.items()))
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--config", str(params), "--store", str(store),
            "--target", str(tdir), "--out", str(run), "--gpus", gpus, "--overwrite"]
@@ -275,6 +278,8 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         })
     if not recs or proc.returncode not in (0, None, -signal.SIGKILL) or timed_out:
         out["log_tail"] = log.read_text()[-3000:]
+    for table in sorted((run / "profile").glob("rank*.txt")):
+        shutil.copy(table, out_dir() / f"train_profile_{tag}_{table.name}")
     final = run / "metrics.json"
     if final.is_file():
         out["metrics_json"] = json.loads(final.read_text())

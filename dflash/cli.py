@@ -145,6 +145,9 @@ def verify(store, quick):
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
+@click.option("--profile-steps", type=int,
+              help="Profile this many steps in every process (kernel table + Chrome trace in <out>/profile/).")
+@click.option("--profile-start", type=int, help="Steps of this run before profiling starts (default 5).")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (and at the end).")
 @click.option("--eval-every", type=int, help="Offline tau on --eval-store every N steps.")
 @click.option("--eval-store", help="Held-out store for --eval-every.")

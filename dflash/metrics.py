@@ -1,5 +1,6 @@
 """Rank 0's training outputs: one record per step (metrics.jsonl, TensorBoard, the tqdm bar), and at the
-end metrics.json and curves.csv (what `dvc metrics` / `dvc plots` read)."""
+end metrics.json and curves.csv (what `dvc metrics` / `dvc plots` read); and, in every process, an
+optional profile of a few steps (StepProfiler)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,39 @@ class RunLogger:
             for r in rows:
                 f.write(f"{r['step']},{r['loss']:.6f},{r['tau']:.6f},{r.get('lr', 0.0):.6g}\n")
         os.replace(tmp, self.run / "curves.csv")
+
+
+class StepProfiler:
+    """torch.profiler over `steps` optimizer steps, from the `start`-th step this process runs (after
+    compilation and warm-up), in every process: where a step's time goes on this host, e.g. why two GPUs
+    do not train twice as fast as one.  Writes <out>/profile/rank<r>.txt (operators and kernels by self
+    device time, CPU time on a CPU run) and rank<r>.trace.json (Chrome trace: chrome://tracing, Perfetto)."""
+
+    def __init__(self, out, rank: int, start: int, steps: int, device: torch.device):
+        self.dir, self.rank, self.device = Path(out) / "profile", rank, device
+        self.start, self.end = start, (start + steps if steps > 0 else None)
+        self.prof = None
+
+    def before_step(self, steps_run: int) -> None:
+        if self.end is not None and self.prof is None and steps_run == self.start:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def after_step(self, steps_run: int) -> None:
+        if self.prof is not None and steps_run >= self.end:
+            self.close()
+
+    def close(self) -> None:
+        """Stop (also when the run ends inside the window) and write the table and the trace."""
+        if self.prof is None:
+            return
+        prof, self.prof, self.end = self.prof, None, None
+        prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90)
+        (self.dir / f"rank{self.rank}.txt").write_text(table)
+        prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.trace.json"))

@@ -82,6 +82,7 @@ def _check_options(cfg: TrainConfig) -> None:
         (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),
         (cfg.warmup_steps >= 0 and 0 <= cfg.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1"),
         (not (cfg.resume and cfg.overwrite), "--resume and --overwrite contradict each other; pick one"),
+        (cfg.profile_steps >= 0 and cfg.profile_start >= 0, "--profile-steps and --profile-start must be >= 0"),
     ]
     for ok, message in rules:
         if not ok:

@@ -28,7 +28,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.feeder import DeviceFeeder
 from dflash.loss import block_loss
-from dflash.metrics import RunLogger, step_record
+from dflash.metrics import RunLogger, StepProfiler, step_record
 from dflash.preflight import Setup, prepare_run_dir, preflight
 
 __all__ = ["preflight", "run_training", "lr_at"]
@@ -206,6 +206,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     # loader.shape_set); any other compilation is a recompile, and should stay at zero.
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
     feeder = DeviceFeeder(loader, device, cfg.grad_accum)
+    profiler = StepProfiler(cfg.out, rank, cfg.profile_start, cfg.profile_steps, device)
     compiled = _compiled(cfg, device)
     t_last = time.perf_counter()
     tokens_total, time_total = 0, 0.0
@@ -226,6 +227,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             logger.log(rec)
 
     while step < total:
+        profiler.before_step(steps_run)
         wait0 = feeder.wait_s
         step_epoch, step_first, _ = next(step_plan)
         items = feeder.take()
@@ -281,6 +283,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if not new_shapes and not warm:
             recompiles += _compile_count() - compiles_before
         steps_run += 1
+        profiler.after_step(steps_run)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         vals = torch.cat([stats, grad_norm.detach().double().reshape(1)])
@@ -302,6 +305,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if save:
             _save(run, setup, raw, optimizer, step, {"epoch": epoch, "samples_consumed": samples_done},
                   rank, world, device)
+    profiler.close()
     if pending is not None:
         finish(pending)
     if logger:

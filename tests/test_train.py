@@ -167,6 +167,21 @@ def test_loss_falls_and_tau_rises(counting, tmp_path):
     assert "eval_tau" not in recs[0] and recs[39]["eval_tau"] > recs[19]["eval_tau"] >= 1.0
 
 
+def test_profile_of_chosen_steps(counting, tmp_path):
+    """--profile-start 5 --profile-steps 3 in a 6-step run profiles only step 6 (the run ends inside the
+    window, which still writes the outputs): an operator table and a Chrome trace holding exactly one
+    optimizer step."""
+    target, store = counting
+    cfg = _cfg(target, store, tmp_path / "run", profile_steps=3, profile_start=5)
+    launch_train(cfg)
+    table = (tmp_path / "run" / "profile" / "rank0.txt").read_text()
+    assert "aten::mm" in table and "Self CPU" in table
+    trace = json.loads((tmp_path / "run" / "profile" / "rank0.trace.json").read_text())
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    assert sum(n.startswith("Optimizer.step#AdamW.step") for n in names) == 1
+    assert len(_metrics(cfg.out)) == 6  # profiling does not change the run
+
+
 def test_kill_and_resume_is_exact(counting, tmp_path):
     target, store = counting
     cwd = tmp_path / "cwd"
