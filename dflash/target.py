@@ -6,10 +6,11 @@ needed.  Top-k runs lm_head over a chunk of positions at a time, so the full-voc
 batch (rows x length x 150k floats) never exist at once.
 
 Capture never waits for the GPU: real positions are found from `lengths` on the host, not by boolean
-indexing on the device (each of which is a host sync that lets the GPU run dry while precompute's writer
-thread holds the interpreter).  The top-k itself reads the logits in the model's dtype and takes the
-fp32 log-normaliser in one fused pass (compiled on GPU), instead of materialising fp32 log-softmax over
-152k entries per position: on an H200 that was most of the gap between capture and the bare forward.
+indexing on the device (a host sync each, after which the GPU idles until the main thread has queued
+more work).  The top-k reads the logits in the model's dtype and takes the fp32 log-normaliser in one
+fused pass (compiled on GPU) instead of materialising fp32 log-softmax over 152k entries per position.
+Together: capture at 0.915 of the bare forward instead of 0.884 for an 8B target on an H200
+(docs/BENCHMARKS.md, session 3).
 """
 
 from __future__ import annotations
