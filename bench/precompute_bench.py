@@ -28,8 +28,8 @@ import torch
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
 
 TOPK = 8
-ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_bf16_chunk4x "
-              "disk two_gpus two_gpus_fp8 io2 serial")
+ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 disk "
+              "two_gpus two_gpus_fp8 io2 serial")
 
 
 def build_target(tiny: bool, device: str):
@@ -135,11 +135,9 @@ def dir_bytes(p: Path) -> int:
 
 
 def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str,
-                      pipelined: bool = True, budget: int = 0, io_threads: int = 4, stats: dict | None = None,
-                      layout: dict | None = None) -> float:
+                      pipelined: bool = True, budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
-    precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path.
-    `layout`: ShardWriter's chunk_tokens / chunks_per_object, when not the defaults."""
+    precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
     from dflash.precompute import open_sink
     from dflash.store import ShardWriter
 
@@ -149,7 +147,7 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
     sync(device)
     t = time.perf_counter()
     with ShardWriter(store, shard, hidden_width=L * d["hidden_size"], num_layers=L, hidden_dtype=hidden_dtype,
-                     topk=TOPK, io_threads=io_threads, **(layout or {})) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
+                     topk=TOPK, io_threads=io_threads) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
         for members, _, _ in batches:
             write_batch(sink, capture, members, device, hidden_dtype)
         sync(device)
@@ -368,10 +366,9 @@ def main() -> None:
         capture_pass("capture_before", capture_before, "the same with session 2's top-k: fp32 log_softmax per chunk "
                      "then top-k, real positions by boolean indexing on the device (host syncs)")
 
-    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False,
-                   layout: dict | None = None, suffix: str = "") -> None:
+    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False) -> None:
         key = (f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
-               + ("_before" if before else "") + suffix)
+               + ("_before" if before else ""))
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
@@ -380,7 +377,7 @@ def main() -> None:
             make_store(store, tiny, hd, 1)
             pstats = {}
             cap = capture_before if before else capture
-            dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats, layout)
+            dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
             nbytes = dir_bytes(store)
             from dflash.store import open_store
 
@@ -389,8 +386,7 @@ def main() -> None:
             how = ("write pipeline: writer thread, 3 pinned host buffers (what precompute runs)" if pipelined
                    else "serial: .cpu() copy, append, commits inline (the path before the pipeline)")
             entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}"
-                             + ("; session 2's top-k (capture_before)" if before else "")
-                             + (f"; store layout {layout}" if layout else ""),
+                             + ("; session 2's top-k (capture_before)" if before else ""),
                      "pipelined": pipelined, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key),
                      "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
                      "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats}
@@ -401,7 +397,7 @@ def main() -> None:
             res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
-    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "write_bf16_chunk4x", "io2", "serial"}:
+    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "io2", "serial"}:
         with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
             for pipelined in (True, False):
                 store = work_dir() / "pc_warmup"
@@ -414,14 +410,6 @@ def main() -> None:
         write_pass("bf16", before=True)
     if "write_fp8" in passes:
         write_pass("fp8")
-    if "write_bf16_chunk4x" in passes:
-        # inner chunks 4x ShardWriter's default, objects the same size: a quarter of zarr's per-chunk
-        # work, which runs on its event-loop thread and holds the GIL
-        from dflash.store.rows import pow2_floor
-
-        row_bytes = len(d["target_layer_ids"]) * d["hidden_size"] * 2
-        ci = min(8192, max(16, pow2_floor(4 * 2**20 / row_bytes)))  # ShardWriter's default inner chunk
-        write_pass("bf16", layout={"chunk_tokens": 4 * ci, "chunks_per_object": 4}, suffix="_chunk4x")
     if "disk" in passes:
         with res.guard("disk"):
             gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
