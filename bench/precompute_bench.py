@@ -10,12 +10,15 @@ The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (
 save and reload), driven by `dflash.target.Capture` and `dflash.precompute`'s batch planner and write path
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
 sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (pipelined, as
-precompute runs), write_bf16_serial / write_fp8_serial (before), disk (numpy write + fsync, GB/s).
+precompute runs), write_bf16_serial / write_fp8_serial (before), disk (numpy write + fsync, GB/s), write_profile (torch.profiler
+of a few batches of capture + writes: $OUT/precompute_write_profile.txt and a Chrome trace).  --passes picks
+and orders nothing: it only selects (see ALL_PASSES).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import time
@@ -28,8 +31,8 @@ import torch
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
 
 TOPK = 8
-ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 disk "
-              "two_gpus two_gpus_fp8 io2 serial")
+ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
+              "disk two_gpus two_gpus_fp8 io2 serial")
 
 
 def build_target(tiny: bool, device: str):
@@ -159,6 +162,37 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
         stats["drain_s"] = round(end - t_last, 2)
         stats["gpu_waited_for_store_s"] = round(getattr(sink, "stall_s", 0.0), 2)
     return end - t
+
+
+def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
+    """torch.profiler (CPU + CUDA) over `n` batches of capture + pipelined bf16 writes: where the main
+    thread is while the GPU idles (the gap between capture and capture + writes).  Writes
+    $OUT/precompute_write_profile.txt (by self CPU time and by self device time) and a Chrome trace
+    $OUT/precompute_write_trace.json; records the GPU's busy fraction of the profiled wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import out_dir
+
+    store = work_dir() / "pc_profile"
+    make_store(store, tiny, "bf16", 1)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        capture_and_write(capture, batches[:n], store, 0, tiny, device, "bf16", True, budget)
+    wall = time.perf_counter() - t
+    avg = prof.key_averages()
+    tables = []
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        with contextlib.suppress(Exception):  # device column names vary across torch versions
+            tables.append(f"== sorted by {key}\n" + avg.table(sort_by=key, row_limit=40, max_name_column_width=90))
+    (out_dir() / "precompute_write_profile.txt").write_text("\n\n".join(tables))
+    prof.export_chrome_trace(str(out_dir() / "precompute_write_trace.json"))
+    busy_us = sum(e.self_device_time_total for e in avg if getattr(e, "device_type", None) is not None
+                  and str(e.device_type).endswith("CUDA"))
+    res.set("write_profile", {"batches": n, "wall_s_profiled": round(wall, 2),
+                              "gpu_busy_frac": round(busy_us / 1e6 / wall, 3) if busy_us else None,
+                              "files": ["precompute_write_profile.txt", "precompute_write_trace.json"]})
+    shutil.rmtree(store, ignore_errors=True)
 
 
 def disk_write(path: Path, nbytes: int) -> dict:
@@ -397,7 +431,7 @@ def main() -> None:
             res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
-    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "io2", "serial"}:
+    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "write_profile", "io2", "serial"}:
         with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
             for pipelined in (True, False):
                 store = work_dir() / "pc_warmup"
@@ -410,6 +444,9 @@ def main() -> None:
         write_pass("bf16", before=True)
     if "write_fp8" in passes:
         write_pass("fp8")
+    if "write_profile" in passes:
+        with res.guard("write_profile"):
+            profile_write(res, capture, batches, tiny, device, budget)
     if "disk" in passes:
         with res.guard("disk"):
             gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
