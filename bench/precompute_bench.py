@@ -7,7 +7,7 @@ processes (one per GPU, one shard each) at once.
     python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2]
 
 The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (no 16 GB checkpoint to
-save and reload), driven by `dflash.target.Capture` and `dflash.precompute`'s batch planner and write path
+save and reload), driven by `dflash.target.Capture` and `dflash.precompute_shard`'s batch planner and write path
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
 sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (pipelined, as
 precompute runs), write_bf16_serial / write_fp8_serial (before), disk (numpy write + fsync, GB/s), write_profile (torch.profiler

@@ -81,7 +81,7 @@ def sequences(tiny: bool, tokens: int, vocab: int, seed: int = 0):
 
 def batches_of(samples, token_budget: int):
     """[(members [(row, Rendered)], padded ids [B, T], lengths [B])] in precompute's batch plan."""
-    from dflash.precompute import plan_batches
+    from dflash.precompute_shard import plan_batches
 
     out = []
     for idx in plan_batches([len(s.input_ids) for s in samples], token_budget):
@@ -96,10 +96,10 @@ def batches_of(samples, token_budget: int):
 
 def write_batch(sink, capture, members, device, hidden_dtype: str) -> None:
     """precompute's own write step (every member is new: todo = members)."""
-    from dflash import precompute
+    from dflash import precompute_shard
 
     todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
-    precompute._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
+    precompute_shard._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
 
 
 def make_store(path: Path, tiny: bool, hidden_dtype: str, num_shards: int) -> None:
@@ -122,7 +122,7 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
                       pipelined: bool = True, budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
     precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
-    from dflash.precompute import open_sink
+    from dflash.precompute_shard import open_sink
     from dflash.store import ShardWriter
 
     d = dims(tiny)

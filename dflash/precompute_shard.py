@@ -1,0 +1,189 @@
+"""One shard of stage one: its batch plan, the target's capture and the writes, resumable after kill -9.
+
+Row i of the dataset belongs to shard i % num_shards and is stored as sample id i.  A shard renders its
+rows window by window, sorts each window by length and cuts it into right-padded batches under
+`token_budget`.  The batch plan is a pure function of the data and the config, and samples are appended
+in plan order, so the committed part of a shard is always a prefix of the plan: a rerun after `kill -9`
+recomputes the first unfinished batch exactly as it was (same rows, same padding, same bits) and
+appends only what was not committed, giving the store an uninterrupted run gives.
+
+Writes do not stall the GPU: the main thread captures batch i+1 while a `WritePipeline` thread appends
+and commits batch i (dflash/store/pipeline.py says why that thread is safe); results are copied out
+through a few reusable pinned host buffers, so host memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash.config import PrecomputeConfig
+from dflash.data import conversation_of, load_rows, render
+from dflash.store import ShardWriter, shard_name
+from dflash.store.manifest import shard_status
+from dflash.store.pipeline import WritePipeline
+from dflash.target import Capture, load_target, load_tokenizer, resolve_dtype
+
+WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
+
+
+@dataclass
+class ShardJob:
+    cfg: PrecomputeConfig
+    shard: int
+    num_shards: int
+    device: str
+    layer_ids: list[int]
+    threads: int = 0  # CPU threads for this process (0 = leave torch's default)
+    parent_pid: int | None = None  # spawned shards exit when their launcher is gone
+    pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
+    write_slots: int = 3  # host buffers between the GPU and the writer thread (batches in flight)
+
+
+
+def plan_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices into `lengths`, longest first (ties by position), cut so rows x padded length <= budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > token_budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _lock_shard(store: Path, shard: int):
+    """One writer per shard: an orphan of a killed launcher still finishing a batch makes a rerun wait."""
+    d = store / shard_name(shard)
+    d.mkdir(parents=True, exist_ok=True)
+    f = open(d / ".lock", "w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def run_shard(job: ShardJob) -> dict:
+    """Write one shard; returns its stats.  Resumes a partly written shard, skips a complete one."""
+    cfg, shard = job.cfg, job.shard
+    t0 = time.time()
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    device = torch.device(job.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+    ds = load_rows(cfg.data, cfg.split, cfg.max_samples, check=False)
+    rows = list(range(shard, len(ds), job.num_shards))
+    lock = _lock_shard(Path(cfg.out), shard)
+    try:
+        if shard_status(cfg.out, shard).get("status") == "complete":
+            return shard_status(cfg.out, shard)
+        model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
+        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
+        hidden_size = model.config.get_text_config().hidden_size
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
+        stats = {"rows": len(rows), "skipped": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
+        writer = ShardWriter(
+            cfg.out,
+            shard,
+            hidden_width=len(job.layer_ids) * hidden_size,
+            num_layers=len(job.layer_ids),
+            hidden_dtype=cfg.hidden_dtype,
+            topk=cfg.topk,
+            commit_every_tokens=cfg.commit_every_tokens,
+            chunk_tokens=cfg.store_chunk_tokens,
+        )
+        done = writer.committed_sample_ids()  # resume: before the writer thread owns the writer
+        capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
+        with writer, open_sink(writer, device, job.pipelined, job.write_slots, capacity) as sink:
+            t_loop = time.time()
+            bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
+            for w0 in range(0, len(rows), WINDOW):
+                window = rows[w0 : w0 + WINDOW]
+                samples = []
+                for r in window:
+                    rd = render(tokenizer, conversation_of(ds[r], r, cfg.data), cfg.max_length, where=f"dataset {cfg.data}, row {r}")
+                    if not any(rd.loss_mask):
+                        stats["skipped"] += 1
+                        continue
+                    stats["truncated"] += rd.truncated
+                    samples.append((r, rd))
+                bar.update(len(window) - len(samples))
+                for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
+                    members = [samples[i] for i in batch]
+                    todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if r not in done]
+                    if todo:
+                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype)
+                        stats["new_samples"] += len(todo)
+                        stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
+                        if slow:
+                            time.sleep(slow)
+                    bar.update(len(members))
+                    elapsed = max(time.time() - t_loop, 1e-9)
+                    bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
+                    if job.parent_pid is not None and os.getppid() != job.parent_pid:
+                        os._exit(1)  # the launcher was killed: stop at a batch boundary, a rerun resumes
+            bar.close()
+            stats["wall_s"] = round(time.time() - t0, 3)
+            stats["device"] = str(device)
+            sink.finalize(stats)
+        return shard_status(cfg.out, shard)
+    finally:
+        lock.close()
+
+
+def open_sink(writer: ShardWriter, device, pipelined: bool = True, slots: int = 3, capacity_tokens: int = 0):
+    """What `_write_batch` sends batches to, as a context manager: a WritePipeline (the writer on a thread
+    of its own), or, serially, the writer itself.  Both have finalize(stats)."""
+    if not pipelined:
+        return contextlib.nullcontext(writer)
+    return WritePipeline(writer, device, slots=slots, capacity_tokens=capacity_tokens)
+
+
+def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = [len(rd.input_ids) for _, rd in members]
+    ids = torch.full((len(members), max(lengths)), pad_id, dtype=torch.long)
+    for b, (_, rd) in enumerate(members):
+        ids[b, : lengths[b]] = torch.tensor(rd.input_ids)
+    lens = torch.tensor(lengths)  # stays on the host: Capture finds the real positions there, sync-free
+    if device.type == "cuda":  # no host-device sync here: the GPU may still be busy with the last batch
+        return ids.pin_memory().to(device, non_blocking=True), lens
+    return ids.to(device), lens
+
+
+def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:
+    """Capture one batch and store its `todo` rows: handed to the WritePipeline's thread when `writer` is
+    one, else copied out and appended right here (the serial path)."""
+    device = torch.device(device)
+    out = capture(*_batch_ids(members, device, pad_id))
+    if isinstance(writer, WritePipeline):
+        writer.submit([(b, r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
+                      out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
+        return
+    lengths = [len(rd.input_ids) for _, rd in members]
+    hidden = out["hidden"]
+    if hidden_dtype == "bf16":
+        hidden = hidden.to(torch.bfloat16).cpu()  # one transfer per batch; fp8 is quantised on the device
+    topk_ids = out["topk_ids"].cpu() if "topk_ids" in out else None
+    topk_lp = out["topk_logprobs"].cpu() if "topk_logprobs" in out else None
+    for b, r, rd in todo:
+        n = lengths[b]
+        writer.append(
+            sample_id=r,
+            source_row=r,
+            input_ids=rd.input_ids,
+            loss_mask=rd.loss_mask,
+            hidden=hidden[b, :n],
+            topk_ids=topk_ids[b, :n] if topk_ids is not None else None,
+            topk_logprobs=topk_lp[b, :n] if topk_lp is not None else None,
+        )
