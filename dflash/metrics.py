@@ -26,7 +26,7 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
     B = cfg.block_size
     ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
     correct, valid, grad_norm = s[8 : 8 + B], s[8 + B : 8 + 2 * B], s[8 + 2 * B]
-    dt = p["dt"]
+    dt = p.get("device_dt") or p["dt"]  # rates: the device's timeline when known (GPU), else the host's
     return {
         "step": p["step"],
         "epoch": p["epoch"],
@@ -41,7 +41,7 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
         "ctx_tokens_per_s": ctx_tok / dt,
         "block_tokens_per_s": blk_tok / dt,
         "samples": int(nsamp),
-        "data_wait_frac": p["data_wait"] / dt,
+        "data_wait_frac": p["data_wait"] / p["dt"],  # both measured on the host
         "peak_mem_gb": peak_mem_gb(device),
         "compiles": compiles,
         "recompiles": p["recompiles"],

@@ -210,15 +210,20 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     compiled = _compiled(cfg, device)
     t_last = time.perf_counter()
     tokens_total, time_total = 0, 0.0
-    final = pending = None
+    final = pending = last_event = None
     steps_run = 0
 
     def finish(p: dict, extra: dict | None = None) -> None:
         """Turn a step's device-side stats into its metrics record (the only host sync of a step: done
         one step late, so the GPU never waits for the host) and log it."""
-        nonlocal tokens_total, time_total
+        nonlocal tokens_total, time_total, last_event
         if p["event"] is not None:
             p["event"].synchronize()
+            # The step's duration on the device's timeline, end of the previous step to end of this one:
+            # the host's loop runs ahead of the GPU by up to a step, so host intervals swing widely.
+            if last_event is not None:
+                p["device_dt"] = last_event.elapsed_time(p["event"]) / 1e3
+            last_event = p["event"]
         rec = step_record(p, p["host"].tolist(), cfg, device, _compile_count() - compiles0)
         rec.update(extra or {})
         if p["step"] > 1 or total == 1:
@@ -291,7 +296,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if device.type == "cuda":
             host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
             host.copy_(vals, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record()
         if pending is not None:
             finish(pending)

@@ -305,6 +305,21 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
+def test_step_rates_use_the_device_timeline_when_known():
+    """On a GPU, tokens/s come from the device's step interval (CUDA events), data wait from the host's."""
+    from dflash.metrics import step_record
+
+    cfg = TrainConfig(block_size=4)
+    stats = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
+    p = dict(step=7, epoch=0, lr=1e-3, dt=0.5, data_wait=0.05, recompiles=0)
+    host = step_record(p, stats, cfg, torch.device("cpu"), 1)
+    assert host["ctx_tokens_per_s"] == 2000.0 and host["data_wait_frac"] == pytest.approx(0.1)
+    dev = step_record(dict(p, device_dt=0.25), stats, cfg, torch.device("cpu"), 1)
+    assert dev["ctx_tokens_per_s"] == 4000.0 and dev["block_tokens_per_s"] == 800.0
+    assert dev["data_wait_frac"] == pytest.approx(0.1)  # host wait over host interval
+    assert dev["loss"] == host["loss"] == 2.0 and dev["acc"] == [0.5, 0.5, 0.0]
+
+
 def test_truncate_metrics(tmp_path):
     from dflash.preflight import truncate_metrics
 
