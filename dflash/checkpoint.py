@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash.errors import DFlashError
+from dflash.store.manifest import fsync_dir
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -59,19 +60,6 @@ def resolve_checkpoint(run_or_checkpoint: str | Path) -> Path:
     return latest
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
@@ -107,7 +95,7 @@ def save_checkpoint(
         torch.save(train_state, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resumed run re-reaching it): swap it out whole
         old = final.parent / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -115,7 +103,7 @@ def save_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
