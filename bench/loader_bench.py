@@ -18,6 +18,7 @@ size, is not part of the throughput).  Results: $OUT/train_scaling.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -280,6 +281,11 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         out["log_tail"] = log.read_text()[-3000:]
     for table in sorted((run / "profile").glob("rank*.txt")):
         shutil.copy(table, out_dir() / f"train_profile_{tag}_{table.name}")
+    for trace in sorted((run / "profile").glob("rank*.trace.json")):  # GPU idle gaps: the traces stay here
+        import trace_gaps
+
+        with contextlib.suppress(Exception):
+            out.setdefault("trace_gaps", {})[trace.name.split(".")[0]] = trace_gaps.summarize_file(trace)
     final = run / "metrics.json"
     if final.is_file():
         out["metrics_json"] = json.loads(final.read_text())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import os
 import shutil
 import time
@@ -29,11 +30,11 @@ import numpy as np
 import torch
 
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
-from precompute_workload import (TOPK, batches_of, build_target, capture_and_write, capture_before_class, dir_bytes,
-                                 make_store, sequences)
+from precompute_workload import (TOPK, background_writer, batches_of, build_target, capture_and_write,
+                                 capture_before_class, dir_bytes, make_store, sequences)
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "disk two_gpus two_gpus_fp8 io2 serial")
+              "capture_bg_thread capture_bg_process disk two_gpus two_gpus_fp8 io2 serial")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
@@ -61,9 +62,47 @@ def profile_write(res: Results, capture, batches, tiny: bool, device: str, budge
     prof.export_chrome_trace(str(out_dir() / "precompute_write_trace.json"))
     busy_us = sum(e.self_device_time_total for e in avg if getattr(e, "device_type", None) is not None
                   and str(e.device_type).endswith("CUDA"))
+    import trace_gaps
+
+    gaps = None
+    trace = out_dir() / "precompute_write_trace.json"
+    with contextlib.suppress(Exception):
+        gaps = trace_gaps.summarize_file(trace)
+    with contextlib.suppress(Exception), open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:
+        shutil.copyfileobj(f, z)  # files come back from the device up to 16 MiB
+    trace.unlink(missing_ok=True)
     res.set("write_profile", {"batches": n, "wall_s_profiled": round(wall, 2),
                               "gpu_busy_frac": round(busy_us / 1e6 / wall, 3) if busy_us else None,
-                              "files": ["precompute_write_profile.txt", "precompute_write_trace.json"]})
+                              "trace_gaps": gaps,
+                              "files": ["precompute_write_profile.txt", "precompute_write_trace.json.gz"]})
+    shutil.rmtree(store, ignore_errors=True)
+
+
+def capture_beside_writer(res: Results, rates: dict, capture_pass, capture, tiny: bool, how: str) -> None:
+    """The capture pass again while a ShardWriter appends synthetic data at the capture's own rate, on a
+    thread of this process (the write pipeline's arrangement) or in a process of its own."""
+    import multiprocessing as mp
+    import threading
+
+    store = str(work_dir() / f"pc_bg_{how}")
+    make_store(Path(store), tiny, "bf16", 1)
+    ctx = mp.get_context("spawn")
+    stop, ready, report = (threading.Event(), threading.Event(), __import__("queue").Queue()) if how == "thread" else (
+        ctx.Event(), ctx.Event(), ctx.Queue())
+    args = (store, tiny, rates["capture"], stop, ready, report)
+    worker = (threading.Thread(target=background_writer, args=args, daemon=True) if how == "thread"
+              else ctx.Process(target=background_writer, args=args, daemon=True))
+    worker.start()
+    ready.wait(120)
+    key = f"capture_bg_{how}"
+    try:
+        capture_pass(key, capture, f"capture while a writer {how} appends synthetic bf16 samples at the capture's rate")
+    finally:
+        stop.set()
+        worker.join(60)
+    bg = report.get(timeout=30)
+    res.data[key].update(background_writer=bg, writer_kept_up=round(bg["tokens_per_s"] / rates["capture"], 3))
+    res.save()
     shutil.rmtree(store, ignore_errors=True)
 
 
@@ -319,6 +358,10 @@ def main() -> None:
     if "write_profile" in passes:
         with res.guard("write_profile"):
             profile_write(res, capture, batches, tiny, device, budget)
+    for how in ("thread", "process"):  # capture beside the store's write load, on a thread or in a process
+        if f"capture_bg_{how}" in passes and "capture" in rates:
+            with res.guard(f"capture_bg_{how}"):
+                capture_beside_writer(res, rates, capture_pass, capture, tiny, how)
     if "disk" in passes:
         with res.guard("disk"):
             gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)

@@ -143,3 +143,36 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
         stats["drain_s"] = round(end - t_last, 2)
         stats["gpu_waited_for_store_s"] = round(getattr(sink, "stall_s", 0.0), 2)
     return end - t
+
+
+def background_writer(store: str, tiny: bool, tokens_per_s: float, stop, ready, report=None) -> None:
+    """A ShardWriter appending synthetic bf16 samples at `tokens_per_s` until `stop` is set: the store's
+    write load without the GPU, beside a capture pass (bench pass capture_bg_thread / capture_bg_process).
+    In a thread it shares the capturing process's GIL, in a process it does not; the difference is what
+    the GIL costs the capture."""
+    from dflash.store import ShardWriter
+
+    torch.set_num_threads(1)
+    d = dims(tiny)
+    L = len(d["target_layer_ids"])
+    W = L * d["hidden_size"]
+    rng = np.random.default_rng(1)
+    T = 64 if tiny else 1500
+    hidden = rng.integers(-2**15, 2**15, (T, W), dtype=np.int16)
+    arrays = {"hidden": hidden, "topk_ids": rng.integers(0, d["vocab_size"], (T, TOPK)).astype(np.int32),
+              "topk_logprobs": rng.standard_normal((T, TOPK)).astype(np.float32)}
+    ids, mask = list(range(T)), [1] * T
+    n = 0
+    with ShardWriter(store, 0, hidden_width=W, num_layers=L, hidden_dtype="bf16", topk=TOPK) as w:
+        ready.set()
+        t0 = time.perf_counter()
+        while not stop.is_set():
+            ahead = n / tokens_per_s - (time.perf_counter() - t0)
+            if ahead > 0:
+                time.sleep(min(ahead, 0.05))
+                continue
+            w.append_encoded(n // T, n // T, ids, mask, arrays)
+            n += T
+        dt = time.perf_counter() - t0
+    if report is not None:
+        report.put({"tokens": n, "s": round(dt, 2), "tokens_per_s": round(n / max(dt, 1e-9))})

@@ -62,7 +62,7 @@ class Bench:
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
         self.n_params = sum(p.numel() for p in self.raw.parameters())
 
-    def step(self, m, make_mask, fused: bool, host_syncs: bool):
+    def step(self, m, make_mask, fused: bool, host_syncs: bool, optimizer_step: bool = True):
         """One optimizer step on one micro-batch already on the device, as dflash.train runs it (fused
         loss, label positions and loss denominator from the loader: no host sync) or, with
         host_syncs and not fused, as it ran before (nonzero() and float(denom) syncs, eager loss)."""
@@ -75,6 +75,8 @@ class Bench:
                          denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
                          label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
+        if not optimizer_step:  # gradient accumulation (variant accum=N): the optimizer runs every N-th
+            return out.loss
         if host_syncs:  # before: clip_grad_norm_ scales every gradient in a separate pass
             self.opt.grad_scale = None
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
@@ -113,7 +115,8 @@ class Bench:
                 m = feeder.ready(feeder.take()[0])
             else:
                 m = to_device(batches[i % len(batches)], self.device)
-            loss = self.step(m, make_mask, fused, host_syncs)
+            accum = getattr(self.args, "accum_this", 1)
+            loss = self.step(m, make_mask, fused, host_syncs, optimizer_step=(i + 1) % accum == 0 or i == n - 1)
             if feeder is not None:
                 feeder.prefetch()
             if mode != "new":
@@ -324,8 +327,9 @@ def parse_variant(spec: str) -> dict:
     """'R=8,chunk=8192,shape=qwen3-32b,autotune=1,fwd=128:64:4:3,bwd=64:128:128:64:8:3,profile=1' -> dict.
     fwd = BLOCK_M:BLOCK_N:num_warps:num_stages; bwd = BLOCK_M1:BLOCK_N1:BLOCK_M2:BLOCK_N2:num_warps:num_stages
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
-    on cuBLAS)."""
-    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False}
+    on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
+    reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation)."""
+    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1, "cdt": False}
     for part in spec.split(","):
         key, _, val = part.strip().partition("=")
         if key == "R":
@@ -334,7 +338,9 @@ def parse_variant(spec: str) -> dict:
             out["chunk"] = int(val)
         elif key == "shape":
             out["shape"] = val
-        elif key in ("autotune", "profile"):
+        elif key == "accum":
+            out["accum"] = int(val)
+        elif key in ("autotune", "profile", "cdt"):
             out[key] = val not in ("0", "")
         elif key == "fwd":
             bm, bn, w, st = (int(x) for x in val.split(":"))
@@ -356,7 +362,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
 
     from dflash import model as dmodel
 
-    current = (None, False, {})
+    current = (None, False, {}, False)
     for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
         v = parse_variant(spec)
         key = "v_" + "_".join(p.strip().replace("=", "").replace(":", "-") for p in spec.split(","))
@@ -366,7 +372,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
             res.set(key, {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
             continue
         with res.guard(key):
-            want = (v["shape"], v["autotune"], v["flex"])
+            want = (v["shape"], v["autotune"], v["flex"], v["cdt"])
             if want != current:
                 del bench
                 gc.collect()
@@ -376,6 +382,10 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 import torch._inductor.config as icfg
 
                 icfg.max_autotune = v["autotune"]
+                icfg.coordinate_descent_tuning = v["cdt"]
+                from dflash import loss as dloss
+
+                dloss._COMPILED.clear()  # the loss recompiles under the new Inductor settings
                 icfg.max_autotune_gemm_backends = "ATEN" if v["autotune"] else icfg.max_autotune_gemm_backends
                 dmodel.FLEX_KERNEL_OPTIONS.clear()
                 dmodel.FLEX_KERNEL_OPTIONS.update(v["flex"])
@@ -384,14 +394,15 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
                 current = want
             chunk0, args.lm_head_chunk = args.lm_head_chunk, v["chunk"] or args.lm_head_chunk
-            args.profile_this = v["profile"]
+            args.profile_this, args.accum_this = v["profile"], v["accum"]
             try:
                 run_config(res, bench, key, v["R"], S, Q, k, args, baseline=False)
                 res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
-                                                  autotune=v["autotune"], flex_kernel_options=v["flex"])
+                                                  autotune=v["autotune"], flex_kernel_options=v["flex"],
+                                                  accum=v["accum"], coordinate_descent_tuning=v["cdt"])
                 res.save()
             finally:
-                args.lm_head_chunk, args.profile_this = chunk0, False
+                args.lm_head_chunk, args.profile_this, args.accum_this = chunk0, False, 1
 
 
 if __name__ == "__main__":

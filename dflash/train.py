@@ -71,8 +71,10 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
 
         # 256 MB buckets: a few per layer, so the all-reduce overlaps the backward in ~20 pieces
         # (DDP's 25 MB default would cut the compiled backward into one graph per weight matrix).
+        # broadcast_buffers=False: the only buffer is RoPE's inv_freq, a function of the config; DDP's
+        # default would broadcast it from rank 0 at every forward (a collective in front of each step).
         ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=256,
-                  gradient_as_bucket_view=True)
+                  gradient_as_bucket_view=True, broadcast_buffers=False)
     if _compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; shapes come from a
         # short list (loader.shape_set) and each (S, Q) pair compiles once.
@@ -240,7 +242,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         # weight sums come from the workers (host floats), so no sync is needed to know them.
         denom = sum(b["loss_weight_sum"] for b, _ in items)
         if world > 1:
-            denom = torch.tensor(denom, dtype=torch.float64, device=device)
+            denom = _on_device(torch.tensor(denom, dtype=torch.float64), device)
             dist.all_reduce(denom)
         lr = lr_at(step, cfg, total)
         for g in optimizer.param_groups:
@@ -265,9 +267,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
                 # last step: asking an exhausted DataLoader for more joins its workers (~0.3 s on an
                 # H200 host), which would be counted as the last step's data wait.
                 feeder.prefetch()
-            counts = torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]], dtype=torch.float64)
-            if device.type == "cuda":
-                counts = counts.pin_memory().to(device, non_blocking=True)  # no host sync
+            counts = _on_device(torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]],
+                                             dtype=torch.float64), device)
             stats += torch.cat([
                 torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                              out.tau_sum.double(), out.num_blocks.double()]),
@@ -317,6 +318,15 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         final = logger.finish(tokens_total / time_total if time_total else 0.0)
     del feeder, loader
     return final
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto the training device without a host sync.  A plain .to(cuda) from pageable
+    memory waits for the whole stream: once per step, the host then stops running ahead of the GPU and
+    the GPU idles while the next step is launched (this cost the two-GPU step; see docs/BENCHMARKS.md)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _compiled(cfg: TrainConfig, device: torch.device) -> bool:
