@@ -212,6 +212,10 @@ def _records(path: Path) -> list[dict]:
     return recs
 
 
+def _profile_steps() -> int:
+    return int(os.environ.get("BENCH_TRAIN_PROFILE", "0"))
+
+
 def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag: str, workers: int) -> dict:
     tdir, store, _ = build_store(tiny)
     sh = shapes(tiny)
@@ -223,8 +227,9 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         "num_anchors": sh["num_anchors"], "num_shapes": 1, "num_workers": workers,
         "compile": "off" if tiny else "on", "warmup_steps": 5, "steps": steps, "save_every": 0,
         "rows_per_batch": int(os.environ.get("BENCH_TRAIN_ROWS", "1")),
-        # BENCH_TRAIN_PROFILE=N: N steps profiled in every process (after the skipped ones), tables to $OUT
-        "profile_steps": int(os.environ.get("BENCH_TRAIN_PROFILE", "0")), "profile_start": skip,
+        # BENCH_TRAIN_PROFILE=N: N steps profiled in every process, the last ones before the steady steps
+        # (so the profiler's overhead stays out of the rates), after compilation; tables to $OUT
+        "profile_steps": _profile_steps(), "profile_start": max(2, skip - _profile_steps()),
         "keep_checkpoints": 1}.items()))
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--config", str(params), "--store", str(store),
            "--target", str(tdir), "--out", str(run), "--gpus", gpus, "--overwrite"]
