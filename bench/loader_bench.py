@@ -216,7 +216,8 @@ def _profile_steps() -> int:
     return int(os.environ.get("BENCH_TRAIN_PROFILE", "0"))
 
 
-def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag: str, workers: int) -> dict:
+def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag: str, workers: int,
+              gc_every: str | None = None) -> dict:
     tdir, store, _ = build_store(tiny)
     sh = shapes(tiny)
     w = work_dir()
@@ -230,7 +231,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         # BENCH_TRAIN_PROFILE=N: N steps profiled in every process, the last ones before the steady steps
         # (so the profiler's overhead stays out of the rates), after compilation; tables to $OUT
         "profile_steps": _profile_steps(), "profile_start": max(2, skip - _profile_steps()),
-        "keep_checkpoints": 1}.items()))
+        "keep_checkpoints": 1, **({"gc_every": int(gc_every)} if gc_every else {})}.items()))
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--config", str(params), "--store", str(store),
            "--target", str(tdir), "--out", str(run), "--gpus", gpus, "--overwrite"]
     log = w / f"train_{tag}.log"
@@ -270,6 +271,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         if dts:  # all steady steps together: tokens over time, and the share of that time spent waiting
             out["ctx_tokens_per_s_overall"] = round(sum(r["ctx_tokens"] for r in steady) / sum(dts))
             out["data_wait_frac_overall"] = round(sum(r.get("data_wait_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
+            out["gc_frac_overall"] = round(sum(r.get("gc_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
         out.update({
             "ctx_tokens_per_s_median": round(median(tok)),
             "ctx_tokens_per_s_mean": round(float(np.mean(tok))),
@@ -279,8 +281,9 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             "peak_mem_gb": max(r.get("peak_mem_gb", 0) for r in steady),
             "compiles": steady[-1].get("compiles"), "recompiles": steady[-1].get("recompiles"),
             "loss_first_last": [recs[0].get("loss"), recs[-1].get("loss")],
-            # every steady step: [step, ctx tok/s, data-wait fraction] (where a stall happened, if one did)
-            "per_step": [[r.get("step"), r.get("ctx_tokens_per_s"), round(r.get("data_wait_frac", 0), 4)] for r in steady],
+            # every steady step: [step, ctx tok/s, data-wait fraction, GC fraction] (where a stall happened)
+            "per_step": [[r.get("step"), r.get("ctx_tokens_per_s"), round(r.get("data_wait_frac", 0), 4),
+                          round(r.get("gc_frac", 0), 4)] for r in steady],
         })
     if not recs or proc.returncode not in (0, None, -signal.SIGKILL) or timed_out:
         out["log_tail"] = log.read_text()[-3000:]
@@ -303,6 +306,9 @@ def part_scaling(tiny: bool, limit: float) -> None:
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
     steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), int(os.environ.get("BENCH_TRAIN_SKIP", "5")))
     workers = 1 if tiny else int(os.environ.get("BENCH_TRAIN_WORKERS", "8"))
+    # BENCH_TRAIN_GC: --gc-every of both runs (default: dflash's); BENCH_TRAIN_GC_AB: another value, for one more
+    # two-GPU run after them (same call, same host: the before/after of a GC setting)
+    gc_every, gc_ab = os.environ.get("BENCH_TRAIN_GC") or None, os.environ.get("BENCH_TRAIN_GC_AB") or None
     with res.guard("store"):
         build_store(tiny)
     # two GPUs first: the number this part exists for; one GPU with what is left
@@ -311,13 +317,20 @@ def part_scaling(tiny: bool, limit: float) -> None:
         res.set("gpus_2", {"skipped": f"{n_gpu} GPU(s) visible"})
     else:
         with res.guard("gpus_2"):
-            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=0.58 * left, tag="g2", workers=workers))
+            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.38 if gc_ab else 0.58) * left, tag="g2",
+                                        workers=workers, gc_every=gc_every))
     left = limit - elapsed() - 5
     if left < 30:
         res.set("gpus_1", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
     else:
         with res.guard("gpus_1"):
-            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=left, tag="g1", workers=workers))
+            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.5 if gc_ab else 1) * left, tag="g1",
+                                        workers=workers, gc_every=gc_every))
+    if gc_ab and (tiny or n_gpu >= 2):
+        left = limit - elapsed() - 5
+        with res.guard(f"gpus_2_gc{gc_ab}"):
+            res.set(f"gpus_2_gc{gc_ab}", train_run(tiny, two, steps, skip, timeout=left, tag=f"g2_gc{gc_ab}",
+                                                   workers=workers, gc_every=gc_ab))
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_median")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_median")
     res.set("scaling_2_over_1", round(b / a, 3) if a and b else None)

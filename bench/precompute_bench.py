@@ -30,11 +30,12 @@ import numpy as np
 import torch
 
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
+from dflash import hostgc
 from precompute_workload import (TOPK, background_writer, batches_of, build_target, capture_and_write,
                                  capture_before_class, dir_bytes, make_store, sequences)
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "capture_bg_thread capture_bg_process disk two_gpus two_gpus_fp8 io2 serial")
+              "capture_bg_thread capture_bg_process write_bf16_frozen disk two_gpus two_gpus_fp8 io2 serial")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
@@ -311,9 +312,9 @@ def main() -> None:
         capture_pass("capture_before", capture_before, "the same with session 2's top-k: fp32 log_softmax per chunk "
                      "then top-k, real positions by boolean indexing on the device (host syncs)")
 
-    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False) -> None:
+    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False, frozen: bool = False) -> None:
         key = (f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
-               + ("_before" if before else ""))
+               + ("_before" if before else "") + ("_frozen" if frozen else ""))
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
@@ -322,7 +323,16 @@ def main() -> None:
             make_store(store, tiny, hd, 1)
             pstats = {}
             cap = capture_before if before else capture
-            dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
+            # frozen: what run_shard does after its first batch (dflash.hostgc.freeze): no GC walks the model
+            freeze_s = hostgc.freeze() if frozen else None
+            try:
+                with hostgc.GcTimer() as gct:
+                    dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
+            finally:
+                if frozen:
+                    hostgc.unfreeze()
+            pstats.update(gc_s=round(gct.total_s, 3), gc_collections=gct.collections, gc_frozen=frozen,
+                          freeze_s=round(freeze_s, 3) if frozen else None)
             nbytes = dir_bytes(store)
             from dflash.store import open_store
 
@@ -355,6 +365,8 @@ def main() -> None:
         write_pass("bf16", before=True)
     if "write_fp8" in passes:
         write_pass("fp8")
+    if "write_bf16_frozen" in passes:
+        write_pass("bf16", frozen=True)
     if "write_profile" in passes:
         with res.guard("write_profile"):
             profile_write(res, capture, batches, tiny, device, budget)

@@ -145,6 +145,8 @@ def verify(store, quick):
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
+@click.option("--gc-every", type=int,
+              help="Collect Python garbage every N steps instead of at random ones (default 50; 0 = Python's automatic GC).")
 @click.option("--profile-steps", type=int,
               help="Profile this many steps in every process (kernel table + Chrome trace in <out>/profile/).")
 @click.option("--profile-start", type=int, help="Steps of this run before profiling starts (default 5).")

@@ -89,6 +89,7 @@ class TrainConfig:
     log_every: int = 1
     eval_every: int = 0  # offline tau on `eval_store` every N steps; 0 = off
     eval_store: str | None = None
+    gc_every: int = 50  # Python GC: young generations every N steps, set-up frozen (dflash.hostgc); 0 = automatic
     profile_steps: int = 0  # torch.profiler over this many steps per process (0 = off): <out>/profile/
     profile_start: int = 5  # ... starting after this many steps of this run (compile and warm-up done)
     resume: bool = False

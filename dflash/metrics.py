@@ -42,6 +42,7 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
         "block_tokens_per_s": blk_tok / dt,
         "samples": int(nsamp),
         "data_wait_frac": p["data_wait"] / p["dt"],  # both measured on the host
+        "gc_frac": p.get("gc", 0.0) / p["dt"],  # Python garbage collection's share of the host's step
         "peak_mem_gb": peak_mem_gb(device),
         "compiles": compiles,
         "recompiles": p["recompiles"],

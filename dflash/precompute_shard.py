@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from dflash import hostgc
 from dflash.config import PrecomputeConfig
 from dflash.data import conversation_of, load_rows, render
 from dflash.store import ShardWriter, shard_name
@@ -105,7 +106,8 @@ def run_shard(job: ShardJob) -> dict:
         )
         done = writer.committed_sample_ids()  # resume: before the writer thread owns the writer
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
-        with writer, open_sink(writer, device, job.pipelined, job.write_slots, capacity) as sink:
+        frozen = False
+        with writer, open_sink(writer, device, job.pipelined, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
             t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
             for w0 in range(0, len(rows), WINDOW):
@@ -124,6 +126,9 @@ def run_shard(job: ShardJob) -> dict:
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if r not in done]
                     if todo:
                         _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype)
+                        if not frozen:  # the model and the compiled top-k exist now: no collection walks them
+                            hostgc.freeze()
+                            frozen = True
                         stats["new_samples"] += len(todo)
                         stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
                         if slow:
@@ -135,10 +140,12 @@ def run_shard(job: ShardJob) -> dict:
                         os._exit(1)  # the launcher was killed: stop at a batch boundary, a rerun resumes
             bar.close()
             stats["wall_s"] = round(time.time() - t0, 3)
+            stats["gc_s"] = round(gct.total_s, 3)
             stats["device"] = str(device)
             sink.finalize(stats)
         return shard_status(cfg.out, shard)
     finally:
+        hostgc.unfreeze()  # when run in the caller's process (tests): leave its GC as it was
         lock.close()
 
 

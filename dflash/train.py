@@ -27,6 +27,7 @@ from dflash import masks
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.feeder import DeviceFeeder
+from dflash.hostgc import StepGC
 from dflash.loss import block_loss
 from dflash.metrics import RunLogger, StepProfiler, step_record
 from dflash.preflight import Setup, prepare_run_dir, preflight
@@ -150,7 +151,8 @@ def run_training(cfg: TrainConfig, device: str = "cpu") -> dict | None:
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        return _train(cfg, dev, rank, world)
+        with StepGC(cfg.gc_every) as step_gc:
+            return _train(cfg, dev, rank, world, step_gc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -161,7 +163,7 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dict | None:
+def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_gc: StepGC) -> dict | None:
     setup = preflight(cfg)
     run = Path(cfg.out)
     fsdp = world > 1 and cfg.parallel == "fsdp"
@@ -209,6 +211,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
     feeder = DeviceFeeder(loader, device, cfg.grad_accum)
     profiler = StepProfiler(cfg.out, rank, cfg.profile_start, cfg.profile_steps, device)
+    gc_timer = step_gc.timer
     compiled = _compiled(cfg, device)
     t_last = time.perf_counter()
     tokens_total, time_total = 0, 0.0
@@ -235,7 +238,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
 
     while step < total:
         profiler.before_step(steps_run)
-        wait0 = feeder.wait_s
+        wait0, gc0 = feeder.wait_s, gc_timer.total_s
         step_epoch, step_first, _ = next(step_plan)
         items = feeder.take()
         # The step's loss is the weighted mean over every label of every process's micro-batches; the
@@ -289,6 +292,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if not new_shapes and not warm:
             recompiles += _compile_count() - compiles_before
         steps_run += 1
+        step_gc.after_step(steps_run, warming_up=warm or bool(new_shapes))
         profiler.after_step(steps_run)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
@@ -302,7 +306,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if pending is not None:
             finish(pending)
         pending = dict(host=host, event=event, step=step, epoch=step_epoch, lr=lr, dt=dt,
-                       data_wait=feeder.wait_s - wait0, recompiles=recompiles)
+                       data_wait=feeder.wait_s - wait0, gc=gc_timer.total_s - gc0, recompiles=recompiles)
         evaluate = cfg.eval_every and (step % cfg.eval_every == 0 or step == total)
         save = (cfg.save_every and step % cfg.save_every == 0) or step == total
         if evaluate or save:
@@ -311,6 +315,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if save:
             _save(run, setup, raw, optimizer, step, {"epoch": epoch, "samples_consumed": samples_done},
                   rank, world, device)
+            step_gc.full()
     profiler.close()
     if pending is not None:
         finish(pending)

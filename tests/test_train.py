@@ -96,7 +96,7 @@ def test_two_processes_without_create_block_mask(two_process_run):
     recs = _metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for key in ("loss", "ce", "kd", "acc", "tau", "lr", "grad_norm", "ctx_tokens_per_s", "block_tokens_per_s",
-                "data_wait_frac", "peak_mem_gb", "recompiles"):
+                "data_wait_frac", "gc_frac", "peak_mem_gb", "recompiles"):
         assert key in recs[0], key
     assert len(recs[0]["acc"]) == cfg.block_size - 1 and 1 <= recs[-1]["tau"] <= cfg.block_size
     final = json.loads((run / "metrics.json").read_text())
