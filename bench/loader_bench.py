@@ -317,14 +317,14 @@ def part_scaling(tiny: bool, limit: float) -> None:
         res.set("gpus_2", {"skipped": f"{n_gpu} GPU(s) visible"})
     else:
         with res.guard("gpus_2"):
-            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.38 if gc_ab else 0.58) * left, tag="g2",
+            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.45 if gc_ab else 0.58) * left, tag="g2",
                                         workers=workers, gc_every=gc_every))
     left = limit - elapsed() - 5
     if left < 30:
         res.set("gpus_1", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
     else:
         with res.guard("gpus_1"):
-            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.5 if gc_ab else 1) * left, tag="g1",
+            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.55 if gc_ab else 1) * left, tag="g1",
                                         workers=workers, gc_every=gc_every))
     if gc_ab and (tiny or n_gpu >= 2):
         left = limit - elapsed() - 5
