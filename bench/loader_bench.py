@@ -216,8 +216,18 @@ def _profile_steps() -> int:
     return int(os.environ.get("BENCH_TRAIN_PROFILE", "0"))
 
 
+def _settings(spec: str | None) -> dict:
+    """'gc_every=0,ddp_overlap=false' -> {"gc_every": 0, "ddp_overlap": False} (values are JSON)."""
+    out = {}
+    for part in (spec or "").split(","):
+        if part.strip():
+            key, _, val = part.partition("=")
+            out[key.strip()] = json.loads(val.strip())
+    return out
+
+
 def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag: str, workers: int,
-              gc_every: str | None = None) -> dict:
+              settings: dict | None = None) -> dict:
     tdir, store, _ = build_store(tiny)
     sh = shapes(tiny)
     w = work_dir()
@@ -231,7 +241,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         # BENCH_TRAIN_PROFILE=N: N steps profiled in every process, the last ones before the steady steps
         # (so the profiler's overhead stays out of the rates), after compilation; tables to $OUT
         "profile_steps": _profile_steps(), "profile_start": max(2, skip - _profile_steps()),
-        "keep_checkpoints": 1, **({"gc_every": int(gc_every)} if gc_every else {})}.items()))
+        "keep_checkpoints": 1, **(settings or {})}.items()))
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--config", str(params), "--store", str(store),
            "--target", str(tdir), "--out", str(run), "--gpus", gpus, "--overwrite"]
     log = w / f"train_{tag}.log"
@@ -306,9 +316,9 @@ def part_scaling(tiny: bool, limit: float) -> None:
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
     steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), int(os.environ.get("BENCH_TRAIN_SKIP", "5")))
     workers = 1 if tiny else int(os.environ.get("BENCH_TRAIN_WORKERS", "8"))
-    # BENCH_TRAIN_GC: --gc-every of both runs (default: dflash's); BENCH_TRAIN_GC_AB: another value, for one more
-    # two-GPU run after them (same call, same host: the before/after of a GC setting)
-    gc_every, gc_ab = os.environ.get("BENCH_TRAIN_GC") or None, os.environ.get("BENCH_TRAIN_GC_AB") or None
+    # BENCH_TRAIN_SET="key=value,...": train settings of both runs (JSON values, e.g. gc_every=0);
+    # BENCH_TRAIN_AB: settings of one more two-GPU run after them (same call, same host: a before/after)
+    base, ab = _settings(os.environ.get("BENCH_TRAIN_SET")), os.environ.get("BENCH_TRAIN_AB") or None
     with res.guard("store"):
         build_store(tiny)
     # two GPUs first: the number this part exists for; one GPU with what is left
@@ -317,20 +327,20 @@ def part_scaling(tiny: bool, limit: float) -> None:
         res.set("gpus_2", {"skipped": f"{n_gpu} GPU(s) visible"})
     else:
         with res.guard("gpus_2"):
-            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.45 if gc_ab else 0.58) * left, tag="g2",
-                                        workers=workers, gc_every=gc_every))
+            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.45 if ab else 0.58) * left, tag="g2",
+                                        workers=workers, settings=base))
     left = limit - elapsed() - 5
     if left < 30:
         res.set("gpus_1", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
     else:
         with res.guard("gpus_1"):
-            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.55 if gc_ab else 1) * left, tag="g1",
-                                        workers=workers, gc_every=gc_every))
-    if gc_ab and (tiny or n_gpu >= 2):
+            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.55 if ab else 1) * left, tag="g1",
+                                        workers=workers, settings=base))
+    if ab and (tiny or n_gpu >= 2):
         left = limit - elapsed() - 5
-        with res.guard(f"gpus_2_gc{gc_ab}"):
-            res.set(f"gpus_2_gc{gc_ab}", train_run(tiny, two, steps, skip, timeout=left, tag=f"g2_gc{gc_ab}",
-                                                   workers=workers, gc_every=gc_ab))
+        with res.guard("gpus_2_ab"):
+            res.set("gpus_2_ab", {"settings": ab, **train_run(tiny, two, steps, skip, timeout=left, tag="g2ab",
+                                                              workers=workers, settings={**base, **_settings(ab)})})
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_median")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_median")
     res.set("scaling_2_over_1", round(b / a, 3) if a and b else None)

@@ -144,6 +144,8 @@ def verify(store, quick):
 @click.option("--kd-weight", type=float, help="Weight of the KD term against the stored top-k.")
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
+@click.option("--ddp-overlap/--no-ddp-overlap", default=None,
+              help="DDP: all-reduce gradients during the backward (default) or after it.")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
 @click.option("--gc-every", type=int,
               help="Collect Python garbage every N steps instead of at random ones (default 50; 0 = Python's automatic GC).")

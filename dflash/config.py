@@ -81,6 +81,7 @@ class TrainConfig:
     lm_head_chunk: int = 2048  # block positions per lm_head + loss chunk
     # systems
     parallel: str = "ddp"  # ddp | fsdp
+    ddp_overlap: bool = True  # DDP: all-reduce buckets during the backward (compile the wrapper); False: after it
     compile: str = "auto"  # auto (on for CUDA) | on | off
     precision: str = "auto"  # auto (bf16 autocast on CUDA) | bf16 | fp32
     # bookkeeping

@@ -81,11 +81,12 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
         # short list (loader.shape_set) and each (S, Q) pair compiles once.
         n_shapes = len(setup.spec.s_shapes) * len(setup.spec.q_shapes)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * n_shapes + 4)
-        # Under DDP the wrapper is compiled, not the drafter: dynamo then splits the graph at DDP's
-        # gradient buckets and each bucket's all-reduce can overlap the rest of the backward; a compiled
-        # inner module hands DDP every gradient at once, after the whole backward.  (At 1 row per
-        # micro-batch the A/B on 2 H200s was inconclusive; see docs/BENCHMARKS.md.)
-        (ddp or raw).compile(dynamic=False)
+        # ddp_overlap: the DDP wrapper is compiled, not the drafter: dynamo then splits the graph at DDP's
+        # gradient buckets and each bucket's all-reduce can overlap the rest of the backward.  Otherwise
+        # the drafter is compiled whole (one graph each way, as on one GPU) and DDP gets every gradient at
+        # once, after the backward: the all-reduce is exposed, but no NCCL kernel shares the SMs with the
+        # backward or waits there for a slower rank.  docs/BENCHMARKS.md has the A/B.
+        (ddp if ddp is not None and cfg.ddp_overlap else raw).compile(dynamic=False)
     return (ddp or raw), raw, ddp
 
 
@@ -288,7 +289,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
         epoch, samples_done = step_epoch, int(plan.samples_before[end])
         # A compiled DDP wrapper also compiles in its second step: DDP rebuilds its gradient buckets
         # after the first iteration (in gradient-ready order), which changes dynamo's graph split.
-        warm = steps_run < (2 if ddp is not None and compiled else 1)
+        warm = steps_run < (2 if ddp is not None and compiled and cfg.ddp_overlap else 1)
         if not new_shapes and not warm:
             recompiles += _compile_count() - compiles_before
         steps_run += 1
