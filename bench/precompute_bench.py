@@ -1,18 +1,20 @@
 """Precompute throughput at Qwen3-8B shape: the target's forward alone against capture (hooks + chunked
-top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores, each both through the
-write pipeline (what `dflash precompute` runs: the writer on its own thread, pinned host buffers) and
-through the old serial path (copy out, append and commit inline); the disk's raw write speed; then two
-processes (one per GPU, one shard each) at once.
+top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores, through the writer
+process (what `dflash precompute` runs: shared pinned slots, Python's GC frozen after set-up), the writer
+thread before it, and the old serial path (copy out, append and commit inline); the disk's raw write
+speed; then two processes (one per GPU, one shard each) at once.
 
-    python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2]
+    python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2] [--passes ...]
 
 The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (no 16 GB checkpoint to
 save and reload), driven by `dflash.target.Capture` and `dflash.precompute_shard`'s batch planner and write path
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
-sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (pipelined, as
-precompute runs), write_bf16_serial / write_fp8_serial (before), disk (numpy write + fsync, GB/s), write_profile (torch.profiler
-of a few batches of capture + writes: $OUT/precompute_write_profile.txt and a Chrome trace).  --passes picks
-and orders nothing: it only selects (see ALL_PASSES).
+sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (as precompute
+runs), write_bf16_thread (writer thread, GC frozen), write_bf16_session3 (writer thread, automatic GC: the
+path before), write_bf16_serial / write_fp8_serial (pass "serial"), capture_bg_thread / capture_bg_process
+(capture beside a writer's load on a thread / in a process), disk (numpy write + fsync, GB/s),
+write_profile (torch.profiler of a few batches of capture + writes: $OUT/precompute_write_profile.txt, a
+Chrome trace and its GPU idle gaps).  --passes picks and orders nothing: it only selects (see ALL_PASSES).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from precompute_workload import (TOPK, background_writer, batches_of, build_targ
                                  capture_before_class, dir_bytes, make_store, sequences)
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "capture_bg_thread capture_bg_process write_bf16_frozen disk two_gpus two_gpus_fp8 io2 serial")
+              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 io2 serial")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
-    """torch.profiler (CPU + CUDA) over `n` batches of capture + pipelined bf16 writes: where the main
+    """torch.profiler (CPU + CUDA) over `n` batches of capture + bf16 writes as precompute runs them: where the main
     thread is while the GPU idles (the gap between capture and capture + writes).  Writes
     $OUT/precompute_write_profile.txt (by self CPU time and by self device time) and a Chrome trace
     $OUT/precompute_write_trace.json; records the GPU's busy fraction of the profiled wall time."""
@@ -52,7 +54,7 @@ def profile_write(res: Results, capture, batches, tiny: bool, device: str, budge
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t = time.perf_counter()
     with profile(activities=acts) as prof:
-        capture_and_write(capture, batches[:n], store, 0, tiny, device, "bf16", True, budget)
+        capture_and_write(capture, batches[:n], store, 0, tiny, device, "bf16", "process", budget)
     wall = time.perf_counter() - t
     avg = prof.key_averages()
     tables = []
@@ -312,9 +314,11 @@ def main() -> None:
         capture_pass("capture_before", capture_before, "the same with session 2's top-k: fp32 log_softmax per chunk "
                      "then top-k, real positions by boolean indexing on the device (host syncs)")
 
-    def write_pass(hd: str, pipelined: bool = True, io_threads: int = 4, before: bool = False, frozen: bool = False) -> None:
-        key = (f"write_{hd}" + ("" if pipelined else "_serial") + ("" if io_threads == 4 else f"_io{io_threads}")
-               + ("_before" if before else "") + ("_frozen" if frozen else ""))
+    def write_pass(hd: str, mode: str = "process", frozen: bool = True, io_threads: int = 4, before: bool = False,
+                   key: str | None = None) -> None:
+        """Capture + writes as precompute runs them (mode process, GC frozen after set-up) or a variant."""
+        key = key or (f"write_{hd}" + ("" if mode == "process" else f"_{mode}") + ("" if io_threads == 4 else f"_io{io_threads}")
+                      + ("_before" if before else ""))
         if elapsed() > 0.8 * limit:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             return
@@ -327,7 +331,7 @@ def main() -> None:
             freeze_s = hostgc.freeze() if frozen else None
             try:
                 with hostgc.GcTimer() as gct:
-                    dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, pipelined, budget, io_threads, pstats)
+                    dt = capture_and_write(cap, batches, store, 0, tiny, device, hd, mode, budget, io_threads, pstats)
             finally:
                 if frozen:
                     hostgc.unfreeze()
@@ -338,26 +342,29 @@ def main() -> None:
 
             committed = len(open_store(store))
             rates[key] = ntok / dt
-            how = ("write pipeline: writer thread, 3 pinned host buffers (what precompute runs)" if pipelined
-                   else "serial: .cpu() copy, append, commits inline (the path before the pipeline)")
+            how = {"process": "writer process, 3 shared pinned slots (what precompute runs)",
+                   "thread": "writer thread, 3 pinned host buffers (session 3's precompute)",
+                   "serial": "serial: .cpu() copy, append, commits inline"}[mode]
             entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}"
+                             + ("; GC frozen after set-up" if frozen else "; Python's automatic GC")
                              + ("; session 2's top-k (capture_before)" if before else ""),
-                     "pipelined": pipelined, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key),
+                     "mode": mode, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key),
                      "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
                      "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats}
             if pstats.get("drain_s") is not None:  # the rate a long run approaches: the drain is paid once per shard
                 entry["tokens_per_s_without_drain"] = round(ntok / max(dt - pstats["drain_s"], 1e-9))
-            if not pipelined and f"write_{hd}" in rates:
-                entry["pipelined_speedup"] = round(rates[f"write_{hd}"] / rates[key], 3)
+                for ref in ("forward", "capture"):
+                    if ref in rates:
+                        entry[f"ratio_without_drain_vs_{ref}"] = round(entry["tokens_per_s_without_drain"] / rates[ref], 3)
             res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
     if passes & {"write_bf16", "write_bf16_before", "write_fp8", "write_profile", "io2", "serial"}:
         with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
-            for pipelined in (True, False):
+            for mode in ("process", "thread", "serial"):
                 store = work_dir() / "pc_warmup"
                 make_store(store, tiny, "bf16", 1)
-                capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", pipelined, budget)
+                capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", mode, budget)
                 shutil.rmtree(store, ignore_errors=True)
     if "write_bf16" in passes:
         write_pass("bf16")
@@ -365,8 +372,10 @@ def main() -> None:
         write_pass("bf16", before=True)
     if "write_fp8" in passes:
         write_pass("fp8")
-    if "write_bf16_frozen" in passes:
-        write_pass("bf16", frozen=True)
+    if "write_bf16_thread" in passes:
+        write_pass("bf16", mode="thread")
+    if "write_bf16_session3" in passes:  # the before of this session: writer thread, automatic GC
+        write_pass("bf16", mode="thread", frozen=False, key="write_bf16_session3")
     if "write_profile" in passes:
         with res.guard("write_profile"):
             profile_write(res, capture, batches, tiny, device, budget)
@@ -392,8 +401,8 @@ def main() -> None:
     if "io2" in passes:
         write_pass("bf16", io_threads=2)
     if "serial" in passes and not args.no_serial:
-        write_pass("bf16", pipelined=False)
-        write_pass("fp8", pipelined=False)
+        write_pass("bf16", mode="serial")
+        write_pass("fp8", mode="serial")
     res.set("wall_s", round(elapsed(), 1))
 
 if __name__ == "__main__":

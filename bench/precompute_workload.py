@@ -119,19 +119,23 @@ def dir_bytes(p: Path) -> int:
 
 
 def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, device: str, hidden_dtype: str,
-                      pipelined: bool = True, budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
+                      mode: str = "process", budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
-    precompute's sink: the write pipeline (as `run_shard` uses it) or, pipelined=False, the serial path."""
+    precompute's sink (`precompute_shard.open_sink`): mode "process" (the writer process run_shard uses),
+    "thread" (the writer thread before) or "serial".  The sink's start-up (the writer process starting and
+    opening the shard, paid once per shard) is outside the timed span, in stats["writer_start_s"]."""
     from dflash.precompute_shard import open_sink
-    from dflash.store import ShardWriter
 
     d = dims(tiny)
     L = len(d["target_layer_ids"])
     capacity = max([budget] + [ids.numel() for _, ids, _ in batches])
-    sync(device)
-    t = time.perf_counter()
-    with ShardWriter(store, shard, hidden_width=L * d["hidden_size"], num_layers=L, hidden_dtype=hidden_dtype,
-                     topk=TOPK, io_threads=io_threads) as w, open_sink(w, device, pipelined, 3, capacity) as sink:
+    args = dict(store_path=store, shard_index=shard, hidden_width=L * d["hidden_size"], num_layers=L,
+                hidden_dtype=hidden_dtype, topk=TOPK, io_threads=io_threads)
+    t0 = time.perf_counter()
+    with open_sink(args, device, mode, 3, capacity) as sink:
+        start_s = time.perf_counter() - t0
+        sync(device)
+        t = time.perf_counter()
         for members, _, _ in batches:
             write_batch(sink, capture, members, device, hidden_dtype)
         sync(device)
@@ -141,6 +145,7 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
     end = time.perf_counter()
     if stats is not None:
         stats["drain_s"] = round(end - t_last, 2)
+        stats["writer_start_s"] = round(start_s, 2)
         stats["gpu_waited_for_store_s"] = round(getattr(sink, "stall_s", 0.0), 2)
     return end - t
 

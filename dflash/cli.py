@@ -94,6 +94,8 @@ def main(debug: bool) -> None:
 @click.option("--split", help="Split to read from a saved DatasetDict (default train).")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]),
               help="torch.compile the top-k reduction (auto: on for CUDA).")
+@click.option("--writer", type=click.Choice(["process", "thread"]),
+              help="Where the store is written: a process per shard (default; keeps the GIL free for the GPU) or a thread.")
 @click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own code.")
 @click.option("--overwrite", is_flag=True, default=None, help="Delete an existing store and start over.")
 @click.option("--restart-changed", is_flag=True, default=None,

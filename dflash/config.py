@@ -39,6 +39,7 @@ class PrecomputeConfig:
     max_samples: int | None = None  # read only the first N rows (smoke tests)
     dtype: str = "auto"  # target compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     compile: str = "auto"  # torch.compile the top-k log-prob reduction: auto (on for CUDA) | on | off
+    writer: str = "process"  # the store's writer: a process of its own (process) or a thread of the shard's (thread)
     trust_remote_code: bool = False
     overwrite: bool = False
     restart_changed: bool = False  # start over (instead of refusing) when the store's inputs changed

@@ -50,6 +50,7 @@ def _check_config(cfg: PrecomputeConfig, num_shards: int) -> None:
         (cfg.hidden_dtype in ("bf16", "fp8"), f"--hidden-dtype must be bf16 or fp8, not {cfg.hidden_dtype!r}"),
         (cfg.dtype in ("auto", "bf16", "fp32"), f"dtype must be auto, bf16 or fp32, not {cfg.dtype!r}"),
         (cfg.compile in ("auto", "on", "off"), f"--compile must be auto, on or off, not {cfg.compile!r}"),
+        (cfg.writer in ("process", "thread"), f"--writer must be process or thread, not {cfg.writer!r}"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -14,7 +14,6 @@ through a few reusable pinned host buffers, so host memory stays bounded.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import time
@@ -30,6 +29,7 @@ from dflash.data import conversation_of, load_rows, render
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
 from dflash.store.pipeline import WritePipeline
+from dflash.store.writer_process import ProcessWritePipeline
 from dflash.target import Capture, load_target, load_tokenizer, resolve_dtype
 
 WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
@@ -45,6 +45,7 @@ class ShardJob:
     threads: int = 0  # CPU threads for this process (0 = leave torch's default)
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
     pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
+    writer: str | None = None  # process | thread (None: cfg.writer)
     write_slots: int = 3  # host buffers between the GPU and the writer thread (batches in flight)
 
 
@@ -94,9 +95,9 @@ def run_shard(job: ShardJob) -> dict:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
         stats = {"rows": len(rows), "skipped": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
-        writer = ShardWriter(
-            cfg.out,
-            shard,
+        writer_args = dict(
+            store_path=cfg.out,
+            shard_index=shard,
             hidden_width=len(job.layer_ids) * hidden_size,
             num_layers=len(job.layer_ids),
             hidden_dtype=cfg.hidden_dtype,
@@ -104,10 +105,11 @@ def run_shard(job: ShardJob) -> dict:
             commit_every_tokens=cfg.commit_every_tokens,
             chunk_tokens=cfg.store_chunk_tokens,
         )
-        done = writer.committed_sample_ids()  # resume: before the writer thread owns the writer
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
+        mode = (job.writer or cfg.writer) if job.pipelined else "serial"
         frozen = False
-        with writer, open_sink(writer, device, job.pipelined, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
+        with open_sink(writer_args, device, mode, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
+            done = sink.committed_sample_ids()  # resume: the samples already committed
             t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
             for w0 in range(0, len(rows), WINDOW):
@@ -149,11 +151,18 @@ def run_shard(job: ShardJob) -> dict:
         lock.close()
 
 
-def open_sink(writer: ShardWriter, device, pipelined: bool = True, slots: int = 3, capacity_tokens: int = 0):
-    """What `_write_batch` sends batches to, as a context manager: a WritePipeline (the writer on a thread
-    of its own), or, serially, the writer itself.  Both have finalize(stats)."""
-    if not pipelined:
-        return contextlib.nullcontext(writer)
+def open_sink(writer_args: dict, device, mode: str = "process", slots: int = 3, capacity_tokens: int = 0):
+    """What `_write_batch` sends batches to, a context manager with committed_sample_ids() and
+    finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), on a
+    thread of this one (WritePipeline), or, mode "serial", the writer itself, called inline."""
+    if mode == "process":
+        return ProcessWritePipeline(writer_args, device, slots=slots, capacity_tokens=capacity_tokens)
+    writer = ShardWriter(**writer_args)
+    if mode == "serial":
+        return writer
+    if mode != "thread":
+        writer.abort()
+        raise ValueError(f"writer must be process, thread or serial, not {mode!r}")
     return WritePipeline(writer, device, slots=slots, capacity_tokens=capacity_tokens)
 
 

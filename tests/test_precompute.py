@@ -167,11 +167,40 @@ def _run_cli(args, env=None, kill_when=None, timeout=120):
         assert p.poll() is None, f"precompute ended before the kill point: {p.communicate()[1].decode()[-2000:]}"
         assert time.time() - t0 < timeout
         time.sleep(0.02)
+    family = _descendants(p.pid)  # the shard's store writer process among them
     p.send_signal(signal.SIGKILL)
     p.wait()
     p.stdout.close()
     p.stderr.close()
-    return p.returncode, "", ""
+    t0 = time.time()
+    while [q for q in family if _alive(q)] and time.time() - t0 < 10:
+        time.sleep(0.05)
+    assert not [q for q in family if _alive(q)], "processes of the killed precompute outlived it"
+    return p.returncode, "", str(len(family))  # stderr is not read after a kill: the number of its descendants
+
+
+def _descendants(pid: int) -> list[int]:
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.slow
@@ -195,8 +224,10 @@ def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, target
     ]
     seen = []
     for when in points:
-        rc, _, _ = _run_cli(args, env=slow, kill_when=when)
+        rc, _, family = _run_cli(args, env=slow, kill_when=when)
         assert rc == -signal.SIGKILL
+        if seen:  # mid-run: the store writer process was running, and died with the shard (checked in _run_cli)
+            assert int(family) >= 1
         seen.append(_committed(store))
         assert (store / "manifest.json").is_file() and not verify_store(store).ok  # interrupted: never verifies
     assert total // 3 <= seen[1] < seen[2] <= total

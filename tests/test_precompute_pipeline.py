@@ -24,6 +24,7 @@ from dflash.precompute import prepare, run_precompute
 from dflash.precompute_shard import ShardJob, run_shard
 from dflash.store import ShardWriter, create_or_check_manifest, open_store, verify_store
 from dflash.store.pipeline import WritePipeline
+from dflash.store.writer_process import ProcessWritePipeline
 from helpers import make_conversations_jsonl
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
@@ -53,11 +54,11 @@ def _run_shard(cfg: PrecomputeConfig, pipelined: bool, slots: int = 2) -> Path:
     return Path(cfg.out)
 
 
-@pytest.mark.parametrize("hidden_dtype", ["bf16", "fp8"])
-def test_pipelined_precompute_is_byte_identical_to_serial(tmp_path, tiny_target, hidden_dtype):
+@pytest.mark.parametrize("hidden_dtype,writer", [("bf16", "process"), ("fp8", "process"), ("bf16", "thread"), ("fp8", "thread")])
+def test_pipelined_precompute_is_byte_identical_to_serial(tmp_path, tiny_target, hidden_dtype, writer):
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
     serial = _run_shard(_cfg(tiny_target, data, tmp_path / "serial", hidden_dtype=hidden_dtype), pipelined=False)
-    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype), pipelined=True)
+    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype, writer=writer), pipelined=True)
     want, got = _files(serial), _files(piped)
     assert len(open_store(serial).sample_ids()) == 14
     assert sum(k.startswith("shard-00000/hidden/c/") for k in want) >= 3  # several objects were written
@@ -222,24 +223,32 @@ def test_io_error_surfaces_and_a_rerun_gives_the_uninterrupted_store(tmp_path):
     _check_store(root, _expect(plan))
 
 
-def _limit_file_size():
-    resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))  # Python ignores SIGXFSZ: writes fail with EFBIG
+def _limit_file_size(limit: int):
+    def apply():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes fail with EFBIG
+
+    return apply
 
 
-def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_target):
+# thread: commits and 32 KB objects on the writer thread, past a 16 KB limit; process: the shared write
+# slots (~80 KB files in /dev/shm) fit under 160 KB, the writer process's 256 KB objects do not
+@pytest.mark.parametrize("writer,chunk,limit,where", [("thread", 8, 16384, ("dflash-store", "pipeline.py")),
+                                                      ("process", 64, 160 * 1024, ("writer process",))])
+def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_target, writer, chunk, limit, where):
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
     store = tmp_path / "s"
-    params = tmp_path / "params.yaml"  # commits and 32 KB objects on the writer thread, past the 16 KB limit
-    params.write_text("precompute:\n  token_budget: 300\n  commit_every_tokens: 200\n  store_chunk_tokens: 8\n")
+    params = tmp_path / "params.yaml"
+    params.write_text(f"precompute:\n  token_budget: 300\n  commit_every_tokens: 200\n  store_chunk_tokens: {chunk}\n"
+                      f"  writer: {writer}\n")
     args = [DFLASH, "precompute", "--config", str(params), "--target", str(tiny_target), "--data", str(data),
             "--out", str(store), "--gpus", "cpu", "--max-length", "256", "--topk", "3", "--target-layers", "1,2"]
-    p = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path, preexec_fn=_limit_file_size)
+    p = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=tmp_path, preexec_fn=_limit_file_size(limit))
     assert p.returncode != 0
     assert "File too large" in p.stderr, p.stderr[-3000:]
-    assert "dflash-store" in p.stderr or "pipeline.py" in p.stderr, p.stderr[-3000:]  # raised by the writer thread
+    assert any(w in p.stderr for w in where), p.stderr[-3000:]  # raised where the store is written
     assert not verify_store(store).ok
-    run_precompute(_cfg(tiny_target, data, store))  # the same inputs: resumes, completes
-    ref = run_precompute(_cfg(tiny_target, data, tmp_path / "ref")) and tmp_path / "ref"
+    run_precompute(_cfg(tiny_target, data, store, store_chunk_tokens=chunk))  # the same inputs: resumes, completes
+    ref = run_precompute(_cfg(tiny_target, data, tmp_path / "ref", store_chunk_tokens=chunk)) and tmp_path / "ref"
     assert verify_store(store).ok and open_store(store).sample_ids() == list(range(14))
     assert _files(store) == _files(ref)
 
@@ -274,3 +283,68 @@ def test_row_buffers_are_reused():
         r.give_back(lent)
     assert r.view()[:, 0].tolist() == want
     assert len({id(b) for b in seen}) == 2  # two buffers take turns: no fresh allocation per flush
+
+
+# ---------------------------------------------------------------------------------------------- the writer process
+
+
+def _process_pipe(root: Path, slots: int = 2) -> ProcessWritePipeline:
+    return ProcessWritePipeline(dict(store_path=root, shard_index=0, **SMALL), "cpu", slots=slots, capacity_tokens=64)
+
+
+def test_process_writer_stores_what_the_thread_writer_stores(tmp_path):
+    plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
+    ref = _store(tmp_path / "ref")
+    with WritePipeline(ShardWriter(ref, 0, **SMALL), "cpu") as pipe:
+        for sids in plan:
+            pipe.submit(*_batch(sids))
+        pipe.finalize()
+    root = _store(tmp_path / "s")
+    with _process_pipe(root) as pipe:
+        assert pipe.committed_sample_ids() == set()
+        for sids in plan:
+            pipe.submit(*_batch(sids))
+        pipe.finalize({"bench": 1})
+    pipe._proc.join(30)
+    assert pipe._proc.exitcode == 0 and pipe.in_flight_max <= 2
+    assert _files(root) == _files(ref)
+    _check_store(root, _expect(plan))
+
+
+def test_process_writer_error_surfaces_and_the_rerun_resumes(tmp_path):
+    root = _store(tmp_path / "s")
+    good = [[0, 1], [2, 3, 4], [5]]
+    with pytest.raises(StoreError, match=r"writer process failed with ValueError: sample 7: loss_mask has shape"):
+        with _process_pipe(root) as pipe:
+            for sids in good:
+                pipe.submit(*_batch(sids))
+            bad_samples, hidden, ids, lp = _batch([6, 7])
+            bad_samples[1] = (*bad_samples[1][:4], [1, 1])  # sample 7: a loss mask shorter than its tokens
+            pipe.submit(bad_samples, hidden, ids, lp)
+            for k in range(50):  # the error comes back at a later hand-off at the latest
+                pipe.submit(*_batch([100 + 2 * k, 101 + 2 * k]))
+            pipe.finalize()
+    pipe._proc.join(30)
+    assert pipe._proc.exitcode is not None
+    s = open_store(root)
+    assert set(s.sample_ids()) <= {0, 1, 2, 3, 4, 5} and not verify_store(root).ok
+    # a rerun: the writer process reports what was committed, the rest is written, the shard completes
+    with _process_pipe(root) as pipe:
+        done = pipe.committed_sample_ids()
+        assert done == set(s.sample_ids())
+        for sids in good:
+            todo = [x for x in _batch(sids)[0] if x[1] not in done]
+            pipe.submit(todo, *_batch(sids)[1:])
+        pipe.finalize()
+    assert verify_store(root).ok
+    _check_store(root, _expect(good))
+
+
+def test_process_writer_refuses_a_shard_written_with_other_settings(tmp_path):
+    root = _store(tmp_path / "s")
+    with _process_pipe(root) as pipe:
+        pipe.submit(*_batch([0, 1]))
+        pipe.finalize()
+    other = dict(store_path=root, shard_index=0, **{**SMALL, "topk": K + 1})
+    with pytest.raises(StoreError, match="was written with other settings"):
+        ProcessWritePipeline(other, "cpu", slots=1, capacity_tokens=64)

@@ -90,6 +90,7 @@ class WritePipeline:
         if slots < 1:
             raise ValueError("a write pipeline needs at least one slot")
         self.writer = writer
+        self._committed_ids = writer.committed_sample_ids()  # read before the writer thread owns it
         self.device = torch.device(device)
         self.capacity_tokens = int(capacity_tokens)
         cuda = self.device.type == "cuda"
@@ -144,7 +145,14 @@ class WritePipeline:
         except BaseException:
             self._free.put(slot)
             raise
-        self._work.put(_Item(slot, [(sid, row, ids, mask, o, n) for _, sid, row, ids, mask, o, n in meta], host, slot.event))
+        self._enqueue(_Item(slot, [(sid, row, ids, mask, o, n) for _, sid, row, ids, mask, o, n in meta], host, slot.event))
+
+    def _enqueue(self, item: "_Item") -> None:
+        self._work.put(item)
+
+    def committed_sample_ids(self) -> set[int]:
+        """The shard's committed samples when the pipeline started (what a resumed run skips)."""
+        return set(self._committed_ids)
 
     def _copy(self, slot: _Slot, arrays, dtypes, meta, total: int) -> dict[str, np.ndarray]:
         """Each sample's real rows into the slot, packed (padding never leaves the device)."""
