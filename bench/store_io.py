@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--no-fsync", action="store_true", help="durable=False: what the disk's fsync costs")
     ap.add_argument("--pre-encoded", action="store_true", help="append_encoded (stored form, as precompute does)")
     ap.add_argument("--io-threads", type=int, default=None, help="ShardWriter io_threads (default: its own)")
+    ap.add_argument("--own-loops", action="store_true",
+                    help="ShardWriter(own_event_loops=True): encode on the I/O threads, each with its own event loop")
     ap.add_argument("--simulate-forward", type=float, default=None, help="tok/s of a simulated GPU forward")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     a = ap.parse_args()
@@ -77,6 +79,7 @@ def main() -> None:
         enc = {k: v.numpy() for k, v in encode_hidden_tensors(hidden, a.hidden_dtype, a.layers).items()}
         enc.update(topk_ids=topk_ids.int().numpy(), topk_logprobs=topk_lp.numpy())
     extra = {} if a.io_threads is None else {"io_threads": a.io_threads}
+    extra["own_event_loops"] = a.own_loops
     t0 = time.perf_counter()
     prof = cProfile.Profile() if a.profile else None
     if prof:

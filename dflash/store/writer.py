@@ -50,6 +50,7 @@ never waits for it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections import deque
@@ -91,7 +92,11 @@ class ShardWriter:
         overlap_io: bool = True,  # write Zarr objects on I/O threads (False: inline, on the caller's thread)
         io_threads: int = 4,  # object writes in flight at once, each on its own thread, to other objects
         # (4: 23.9K tok/s against 19.0K with 2 for an 8B target on one H200, bf16; docs/BENCHMARKS.md)
+        # encode objects on the I/O threads, each with its own event loop, instead of through zarr's synchronous
+        # API (one event-loop thread for all); off until measured on a GPU host (bench/store_io.py --own-loops)
+        own_event_loops: bool = False,
     ):
+        self._own_loops = own_event_loops
         self.durable = durable
         # I/O threads so that disk writes overlap the caller's work.  They only ever see numpy arrays, zarr
         # and os.fsync (_store_slices): no torch, no compiled code, no masks.
@@ -319,9 +324,24 @@ class ShardWriter:
         self._inflight.append((self._io.submit(self._store_slices, lo, hi, slices, objects), lent))
 
     def _store_slices(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path]) -> None:
-        """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories."""
-        for name, arr in self.arrays.items():
-            arr[lo:hi] = slices[name]
+        """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories.
+
+        With own_event_loops, through zarr's async API on an event loop of this thread's own: zarr's
+        synchronous API runs every caller's coroutines (the encoding: filling and copying each inner
+        chunk, joining them into the object) on its one event-loop thread, where the I/O threads'
+        encodings queue up behind each other (bench/zarr_encode.py; docs/BENCHMARKS.md)."""
+        async def write_all():
+            await asyncio.gather(*(arr.async_array.setitem(slice(lo, hi), slices[name]) for name, arr in self.arrays.items()))
+
+        try:
+            running = asyncio.get_running_loop() is not None
+        except RuntimeError:  # no loop running in this thread (always, on the writer's own threads)
+            running = False
+        if self._own_loops and not running:
+            asyncio.run(write_all())
+        else:  # zarr's synchronous API, which runs on zarr's own loop
+            for name, arr in self.arrays.items():
+                arr[lo:hi] = slices[name]
         if self.durable:
             fsync_files(objects)
 
