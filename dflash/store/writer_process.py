@@ -15,7 +15,8 @@ same (bench/precompute_bench.py, passes capture_bg_thread / capture_bg_process; 
                                        errors, the end
 
 The slots are shared-memory tensors handed to the child once, at start; nothing but metadata crosses
-the queues afterwards.  The helper threads only wait on events and queues: no model, no compiled code,
+the queues afterwards (pickled by multiprocessing between a process and its own child: no trust
+boundary is crossed).  The helper threads only wait on events and queues: no model, no compiled code,
 no masks off the main thread (the project's rule), and almost no GIL.
 
 Semantics are WritePipeline's: batches are appended in submit() order; at most `slots` are in flight;
