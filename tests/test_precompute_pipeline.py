@@ -179,24 +179,33 @@ def test_writer_thread_error_surfaces_in_the_main_thread(tmp_path):
     assert not verify_store(root).ok
     _check_store(root, {k: v for k, v in _expect(good).items() if k in s.sample_ids()})
     # a rerun resumes from what was committed and completes
-    with ShardWriter(root, 0, **SMALL) as w:
-        done = w.committed_sample_ids()
-        with WritePipeline(w, "cpu", slots=2) as pipe:
-            for sids in good:
-                todo = [x for x in _batch(sids)[0] if x[1] not in done]
-                pipe.submit(todo, *_batch(sids)[1:])
-            pipe.finalize()
+    with ShardWriter(root, 0, **SMALL) as w, WritePipeline(w, "cpu", slots=2) as pipe:
+        _resume(pipe, good, expect_done=set(s.sample_ids()))
     assert verify_store(root).ok
     _check_store(root, _expect(good))
+
+
+def _write_all(pipe, plan) -> None:
+    for sids in plan:
+        pipe.submit(*_batch(sids))
+    pipe.finalize()
+
+
+def _resume(pipe, plan, expect_done: set[int]) -> None:
+    """A rerun's loop: skip what the pipeline reports committed, submit the rest, finalize."""
+    done = pipe.committed_sample_ids()
+    assert done == expect_done
+    for sids in plan:
+        todo = [x for x in _batch(sids)[0] if x[1] not in done]
+        pipe.submit(todo, *_batch(sids)[1:])
+    pipe.finalize()
 
 
 def test_io_error_surfaces_and_a_rerun_gives_the_uninterrupted_store(tmp_path):
     plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11]]
     ref = _store(tmp_path / "ref")
     with WritePipeline(ShardWriter(ref, 0, **SMALL), "cpu") as pipe:
-        for sids in plan:
-            pipe.submit(*_batch(sids))
-        pipe.finalize()
+        _write_all(pipe, plan)
 
     root = _store(tmp_path / "s")
     w = ShardWriter(root, 0, **SMALL)
@@ -297,15 +306,11 @@ def test_process_writer_stores_what_the_thread_writer_stores(tmp_path):
     plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
     ref = _store(tmp_path / "ref")
     with WritePipeline(ShardWriter(ref, 0, **SMALL), "cpu") as pipe:
-        for sids in plan:
-            pipe.submit(*_batch(sids))
-        pipe.finalize()
+        _write_all(pipe, plan)
     root = _store(tmp_path / "s")
     with _process_pipe(root) as pipe:
         assert pipe.committed_sample_ids() == set()
-        for sids in plan:
-            pipe.submit(*_batch(sids))
-        pipe.finalize({"bench": 1})
+        _write_all(pipe, plan)
     pipe._proc.join(30)
     assert pipe._proc.exitcode == 0 and pipe.in_flight_max <= 2
     assert _files(root) == _files(ref)
@@ -331,12 +336,7 @@ def test_process_writer_error_surfaces_and_the_rerun_resumes(tmp_path):
     assert set(s.sample_ids()) <= {0, 1, 2, 3, 4, 5} and not verify_store(root).ok
     # a rerun: the writer process reports what was committed, the rest is written, the shard completes
     with _process_pipe(root) as pipe:
-        done = pipe.committed_sample_ids()
-        assert done == set(s.sample_ids())
-        for sids in good:
-            todo = [x for x in _batch(sids)[0] if x[1] not in done]
-            pipe.submit(todo, *_batch(sids)[1:])
-        pipe.finalize()
+        _resume(pipe, good, expect_done=set(s.sample_ids()))
     assert verify_store(root).ok
     _check_store(root, _expect(good))
 
