@@ -333,6 +333,14 @@ def _worker_init(_):
     torch.set_num_threads(1)  # workers do light numpy work; leave the cores to the training process
 
 
+PREFETCH_FACTOR = 4  # micro-batches each worker keeps ready
+
+
+def batch_bytes(spec: LoaderSpec, hidden_width: int) -> int:
+    """Host bytes of one micro-batch's context features at its largest shape (bf16): the bulk of it."""
+    return spec.rows_per_batch * spec.s_shapes[-1] * hidden_width * 2
+
+
 def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False):
     """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads)."""
     if num_workers < 1:
@@ -347,7 +355,7 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
         multiprocessing_context=ctx,
         worker_init_fn=_worker_init,
         pin_memory=pin_memory,
-        prefetch_factor=4,
+        prefetch_factor=PREFETCH_FACTOR,
         persistent_workers=False,
     )
 

@@ -386,3 +386,17 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
             assert torch.allclose(pa, pb, atol=1e-6), max_norm
         if max_norm < 1:
             assert float(norm) > max_norm  # clipping did bite in this case
+
+
+def test_banner_states_the_host_memory_of_batches_in_flight(counting, tmp_path, capsys):
+    from dflash.loader import PREFETCH_FACTOR, shape_set
+    from dflash.store import open_store
+
+    target, store = counting
+    cfg = _cfg(target, store, tmp_path / "run", steps=1, num_workers=2, rows_per_batch=2)
+    launch_train(cfg)
+    s = open_store(store)
+    one = cfg.rows_per_batch * shape_set(cfg.token_budget, cfg.num_shapes)[-1] * s.hidden_size * s.num_layers * 2
+    err = capsys.readouterr().err
+    assert f"up to {2 * PREFETCH_FACTOR * one / 1e9:.2f} GB per process (2 workers x {PREFETCH_FACTOR} ready x " \
+           f"{one / 1e6:.1f} MB" in err, err[-2000:]
