@@ -96,6 +96,7 @@ class ProcessWritePipeline(WritePipeline):
                 if cuda:  # page-locked, so that the device-to-host copies run asynchronously
                     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
                     if int(getattr(err, "value", err)) != 0:
+                        self._unregister()
                         raise StoreError(f"cudaHostRegister of a {t.numel() / 2**20:.0f} MiB write slot failed ({err}); "
                                          "lower --token-budget or use --writer thread.")
                     self._registered.append(t.data_ptr())
