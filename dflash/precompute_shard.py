@@ -7,8 +7,9 @@ in plan order, so the committed part of a shard is always a prefix of the plan: 
 recomputes the first unfinished batch exactly as it was (same rows, same padding, same bits) and
 appends only what was not committed, giving the store an uninterrupted run gives.
 
-Writes do not stall the GPU: the main thread captures batch i+1 while a `WritePipeline` thread appends
-and commits batch i (dflash/store/pipeline.py says why that thread is safe); results are copied out
+Writes do not stall the GPU: the main thread captures batch i+1 while the store's writer appends and
+commits batch i, in a process of its own (`ProcessWritePipeline`, the default: it takes no GIL from the
+capture) or on a thread (`WritePipeline`); dflash/store/ says why both are safe.  Results are copied out
 through a few reusable pinned host buffers, so host memory stays bounded.
 """
 
@@ -46,7 +47,7 @@ class ShardJob:
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
     pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
     writer: str | None = None  # process | thread (None: cfg.writer)
-    write_slots: int = 3  # host buffers between the GPU and the writer thread (batches in flight)
+    write_slots: int = 3  # host buffers between the GPU and the writer (batches in flight)
 
 
 

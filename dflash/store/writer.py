@@ -71,6 +71,14 @@ from dflash.store.rows import FP8_MAX, Rows, as_stored, encode_hidden, encode_hi
 __all__ = ["FP8_MAX", "ShardWriter", "encode_hidden", "encode_hidden_tensors"]
 
 
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+        return True
+    except RuntimeError:
+        return False
+
+
 class ShardWriter:
     """Append samples to `STORE/shard-<shard_index>`; exactly one process may hold a given shard."""
 
@@ -333,11 +341,7 @@ class ShardWriter:
         async def write_all():
             await asyncio.gather(*(arr.async_array.setitem(slice(lo, hi), slices[name]) for name, arr in self.arrays.items()))
 
-        try:
-            running = asyncio.get_running_loop() is not None
-        except RuntimeError:  # no loop running in this thread (always, on the writer's own threads)
-            running = False
-        if self._own_loops and not running:
+        if self._own_loops and not _in_event_loop():  # asyncio.run needs a thread without a running loop
             asyncio.run(write_all())
         else:  # zarr's synchronous API, which runs on zarr's own loop
             for name, arr in self.arrays.items():
