@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from common import ROOT, Results, dims, elapsed, make_fake_target, median, out_dir, part_limit_s, tiny_mode, work_dir
+from dflash.train import HOST_PHASES
 
 TOPK = 8
 
@@ -282,6 +283,9 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             out["ctx_tokens_per_s_overall"] = round(sum(r["ctx_tokens"] for r in steady) / sum(dts))
             out["data_wait_frac_overall"] = round(sum(r.get("data_wait_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
             out["gc_frac_overall"] = round(sum(r.get("gc_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
+            # the host's step by phase, over all steady steps (host intervals; sync ~0: host-bound)
+            out["host_phase_frac_mean"] = {k: round(float(np.mean([r.get(f"host_{k}_frac", 0) for r in steady])), 4)
+                                           for k in HOST_PHASES}
         out.update({
             "ctx_tokens_per_s_median": round(median(tok)),
             "ctx_tokens_per_s_mean": round(float(np.mean(tok))),
@@ -291,9 +295,12 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             "peak_mem_gb": max(r.get("peak_mem_gb", 0) for r in steady),
             "compiles": steady[-1].get("compiles"), "recompiles": steady[-1].get("recompiles"),
             "loss_first_last": [recs[0].get("loss"), recs[-1].get("loss")],
-            # every steady step: [step, ctx tok/s, data-wait fraction, GC fraction] (where a stall happened)
-            "per_step": [[r.get("step"), r.get("ctx_tokens_per_s"), round(r.get("data_wait_frac", 0), 4),
-                          round(r.get("gc_frac", 0), 4)] for r in steady],
+            # every steady step: [step, ctx tok/s, data-wait fraction, GC fraction, host phase fractions
+            # in HOST_PHASES order] (where a stall happened, and what the host did meanwhile)
+            "per_step_fields": ["step", "ctx_tokens_per_s", "data_wait_frac", "gc_frac"] + [f"host_{k}_frac" for k in HOST_PHASES],
+            "per_step": [[r.get("step"), round(r.get("ctx_tokens_per_s", 0)), round(r.get("data_wait_frac", 0), 4),
+                          round(r.get("gc_frac", 0), 4)] + [round(r.get(f"host_{k}_frac", 0), 3) for k in HOST_PHASES]
+                         for r in steady],
         })
     if not recs or proc.returncode not in (0, None, -signal.SIGKILL) or timed_out:
         out["log_tail"] = log.read_text()[-3000:]

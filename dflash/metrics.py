@@ -44,6 +44,9 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
         "samples": int(nsamp),
         "data_wait_frac": p["data_wait"] / p["dt"],  # both measured on the host
         "gc_frac": p.get("gc", 0.0) / p["dt"],  # Python garbage collection's share of the host's step
+        # the host's step by phase (train.HOST_PHASES): launching fwd / loss / bwd / opt, and waiting for
+        # the device (sync).  A step whose sync share is ~0 was host-bound: the GPU waited for the host.
+        **{f"host_{k}_frac": v / p["dt"] for k, v in p.get("host", {}).items()},
         "peak_mem_gb": peak_mem_gb(device),
         "compiles": compiles,
         "recompiles": p["recompiles"],

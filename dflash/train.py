@@ -32,7 +32,9 @@ from dflash.loss import block_loss
 from dflash.metrics import RunLogger, StepProfiler, step_record
 from dflash.preflight import Setup, prepare_run_dir, preflight
 
-__all__ = ["preflight", "run_training", "lr_at"]
+__all__ = ["preflight", "run_training", "lr_at", "HOST_PHASES"]
+
+HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -218,19 +220,25 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     tokens_total, time_total = 0, 0.0
     final = pending = last_event = None
     steps_run = 0
+    # The host's time per step by phase (seconds, summed over micro-batches): where a host-bound step
+    # goes.  "sync" is the time blocked on the device (finish); near zero means the GPU waited for the host.
+    host = dict.fromkeys(HOST_PHASES, 0.0)
+    host_last = dict(host)  # at the end of the previous step's interval (t_last)
 
     def finish(p: dict, extra: dict | None = None) -> None:
         """Turn a step's device-side stats into its metrics record (the only host sync of a step: done
         one step late, so the GPU never waits for the host) and log it."""
         nonlocal tokens_total, time_total, last_event
         if p["event"] is not None:
+            t = time.perf_counter()
             p["event"].synchronize()
+            host["sync"] += time.perf_counter() - t
             # The step's duration on the device's timeline, end of the previous step to end of this one:
             # the host's loop runs ahead of the GPU by up to a step, so host intervals swing widely.
             if last_event is not None:
                 p["device_dt"] = last_event.elapsed_time(p["event"]) / 1e3
             last_event = p["event"]
-        rec = step_record(p, p["host"].tolist(), cfg, device, _compile_count() - compiles0)
+        rec = step_record(p, p["vals"].tolist(), cfg, device, _compile_count() - compiles0)
         rec.update(extra or {})
         if p["step"] > 1 or total == 1:
             tokens_total, time_total = tokens_total + rec["ctx_tokens"], time_total + p["dt"]
@@ -265,7 +273,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
             if fsdp:
                 raw.set_requires_gradient_sync(last_micro)
             with sync:
-                out = _forward_backward(model, m, embed, head, autocast, cfg, denom=denom / world, fused=compiled)
+                out = _forward_backward(model, m, embed, head, autocast, cfg, denom=denom / world, fused=compiled,
+                                        clock=host)
             if i == 0 and step + 1 < total:
                 # The next step's host-to-device copies overlap this step's compute.  None after the
                 # last step: asking an exhausted DataLoader for more joins its workers (~0.3 s on an
@@ -277,9 +286,11 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
                 torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                              out.tau_sum.double(), out.num_blocks.double()]),
                 counts, out.correct.double(), out.valid.double()])
+        t_opt = time.perf_counter()
         grad_norm = _clip(raw, optimizer, cfg, world)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        host["opt"] += time.perf_counter() - t_opt
         if world > 1:
             dist.all_reduce(stats)
         step += 1
@@ -297,17 +308,19 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
         profiler.after_step(steps_run)
         now = time.perf_counter()
         dt, t_last = now - t_last, now
+        phases, host_last = {k: host[k] - host_last[k] for k in HOST_PHASES}, dict(host)
         vals = torch.cat([stats, grad_norm.detach().double().reshape(1)])
-        host, event = vals, None
+        vals_host, event = vals, None
         if device.type == "cuda":
-            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
+            vals_host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            vals_host.copy_(vals, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         if pending is not None:
-            finish(pending)
-        pending = dict(host=host, event=event, step=step, epoch=step_epoch, lr=lr, dt=dt,
-                       data_wait=feeder.wait_s - wait0, gc=gc_timer.total_s - gc0, recompiles=recompiles)
+            finish(pending)  # its sync wait falls in the next step's host interval, and is counted there
+        pending = dict(vals=vals_host, event=event, step=step, epoch=step_epoch, lr=lr, dt=dt,
+                       data_wait=feeder.wait_s - wait0, gc=gc_timer.total_s - gc0, recompiles=recompiles,
+                       host=phases)
         evaluate = cfg.eval_every and (step % cfg.eval_every == 0 or step == total)
         save = (cfg.save_every and step % cfg.save_every == 0) or step == total
         if evaluate or save:
@@ -339,11 +352,14 @@ def _compiled(cfg: TrainConfig, device: torch.device) -> bool:
     return cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
 
 
-def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, denom, fused: bool = False):
+def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, denom, fused: bool = False,
+                      clock: dict | None = None):
     """Drafter forward on one micro-batch, chunked lm_head loss, backward; returns the LossOutput.
 
     `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
-    average over: the gradient of the global weighted mean."""
+    average over: the gradient of the global weighted mean.  `clock` accumulates the host's seconds in
+    the forward, the loss and the backward (HOST_PHASES)."""
+    t0 = time.perf_counter()
     if m["ctx_hidden"].is_cuda:
         block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata came from the workers
     else:
@@ -353,11 +369,17 @@ def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, d
     with autocast:
         block_embeds = torch.nn.functional.embedding(m["block_input_ids"], embed)
         hidden = model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+    t1 = time.perf_counter()
     out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
                      topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
                      kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
                      label_index=m.get("label_index"), fused=fused)
+    t2 = time.perf_counter()
     out.loss.backward()
+    if clock is not None:
+        clock["fwd"] += t1 - t0
+        clock["loss"] += t2 - t1
+        clock["bwd"] += time.perf_counter() - t2
     return out
 
 

@@ -99,6 +99,10 @@ def test_two_processes_without_create_block_mask(two_process_run):
                 "data_wait_frac", "gc_frac", "peak_mem_gb", "recompiles"):
         assert key in recs[0], key
     assert len(recs[0]["acc"]) == cfg.block_size - 1 and 1 <= recs[-1]["tau"] <= cfg.block_size
+    for r in recs[1:]:  # the host's step by phase: parts of the step's host interval
+        fracs = [r[f"host_{k}_frac"] for k in ("fwd", "loss", "bwd", "opt", "sync")]
+        assert all(f >= 0 for f in fracs) and sum(fracs) <= 1.0 + 1e-6, fracs
+        assert r["host_fwd_frac"] > 0 and r["host_loss_frac"] > 0 and r["host_bwd_frac"] > 0
     final = json.loads((run / "metrics.json").read_text())
     assert final["steps"] == 4 and final["tokens_per_s"] > 0 and "loss" in final and "tau" in final
     curves = (run / "curves.csv").read_text().splitlines()  # what dvc plots reads
@@ -311,9 +315,10 @@ def test_step_rates_use_the_device_timeline_when_known():
 
     cfg = TrainConfig(block_size=4)
     stats = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
-    p = dict(step=7, epoch=0, lr=1e-3, dt=0.5, data_wait=0.05, recompiles=0)
+    p = dict(step=7, epoch=0, lr=1e-3, dt=0.5, data_wait=0.05, recompiles=0, host={"bwd": 0.2, "sync": 0.1})
     host = step_record(p, stats, cfg, torch.device("cpu"), 1)
     assert host["ctx_tokens_per_s"] == 2000.0 and host["data_wait_frac"] == pytest.approx(0.1)
+    assert host["host_bwd_frac"] == pytest.approx(0.4) and host["host_sync_frac"] == pytest.approx(0.2)
     dev = step_record(dict(p, device_dt=0.25), stats, cfg, torch.device("cpu"), 1)
     assert dev["ctx_tokens_per_s"] == 4000.0 and dev["block_tokens_per_s"] == 800.0
     assert dev["data_wait_frac"] == pytest.approx(0.1)  # host wait over host interval
