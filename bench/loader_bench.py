@@ -252,12 +252,16 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
         # Same process group as this bench, so that run_all.sh's `timeout` stops the run along with it.
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(w), env=env)
     first_step_s, stopped, timed_out = None, False, False
+    spy, spy_out = None, out_dir() / f"pyspy_{tag}.txt"
+    spy_tags = (os.environ.get("BENCH_TRAIN_PYSPY") or "").split(",")
     stop_early = not tiny or os.environ.get("BENCH_STOP_EARLY") == "1"  # tiny runs finish (checks the whole flow)
     metrics = run / "metrics.jsonl"
     while True:
         recs = _records(metrics)
         if recs and first_step_s is None:
             first_step_s = time.perf_counter() - t0
+        if tag in spy_tags and spy is None and recs and recs[-1].get("step", 0) >= skip:
+            spy = _pyspy(proc.pid, spy_out)
         if proc.poll() is not None:
             break
         if stop_early and recs and recs[-1].get("step", 0) >= steps:
@@ -270,6 +274,8 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             break
         time.sleep(0.5)
     wall = time.perf_counter() - t0
+    if spy is not None:
+        out_spy = _pyspy_done(spy, spy_out)
     recs = _records(metrics)
     steady = [r for r in recs if r.get("step", 0) > skip]
     out = {"cmd": " ".join(cmd), "gpus": gpus, "steps_asked": steps, "steps_logged": len(recs),
@@ -314,7 +320,62 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
     final = run / "metrics.json"
     if final.is_file():
         out["metrics_json"] = json.loads(final.read_text())
+    if spy is not None:
+        out["pyspy"] = out_spy
     return out
+
+
+def _pyspy(pid: int, path: Path):
+    """BENCH_TRAIN_PYSPY=tag,...: py-spy samples, over the steady steps, which thread of each process of the
+    run holds the GIL (collapsed stacks, one line per stack and thread, to $OUT/pyspy_<tag>.txt; the
+    sampler does not pause the processes).  Best effort: a host without ptrace rights gets an error line."""
+    exe = shutil.which("py-spy") or str(Path(sys.prefix) / "bin" / "py-spy")
+    for d in (os.environ.get("PYTHONPATH") or "").split(os.pathsep):  # pip --target puts it in <dir>/bin
+        if d and (Path(d) / "bin" / "py-spy").is_file():
+            exe = str(Path(d) / "bin" / "py-spy")
+    dur = os.environ.get("BENCH_TRAIN_PYSPY_S", "25")
+    cmd = [exe, "record", "--pid", str(pid), "--subprocesses", "--gil", "--threads", "--nonblocking",
+           "--rate", "200", "--duration", dur, "--format", "raw", "--output", str(path)]
+    try:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        return e
+
+
+def _pyspy_done(spy, path: Path) -> dict:
+    if isinstance(spy, OSError):
+        return {"error": str(spy)}
+    try:
+        log, _ = spy.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        log, _ = spy.communicate()
+    res = {"returncode": spy.returncode, "log_tail": (log or "")[-600:]}
+    if path.is_file():
+        res.update(gil_holders(path))
+    return res
+
+
+def gil_holders(path: Path, top: int = 12) -> dict:
+    """Sample counts by (process, thread) and the heaviest leaf frames of each, from py-spy's raw output
+    (`frame;frame;... count`, the first frames naming the process and thread)."""
+    by_thread, leaves = {}, {}
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread ")), "thread ?")
+        pid, _, cmd = procs[-1].partition(":") if procs else ("process ?", "", "")
+        key = f"{pid} {cmd.strip(chr(34))[-48:]} | {thread}"
+        by_thread[key] = by_thread.get(key, 0) + int(n)
+        leaf = leaves.setdefault(key, {})
+        for f in frames[-3:]:
+            leaf[f] = leaf.get(f, 0) + int(n)
+    ranked = sorted(by_thread.items(), key=lambda kv: -kv[1])[:top]
+    return {"gil_samples_by_thread": dict(ranked),
+            "top_frames": {k: dict(sorted(leaves[k].items(), key=lambda kv: -kv[1])[:8]) for k, _ in ranked[:6]}}
 
 
 def part_scaling(tiny: bool, limit: float) -> None:
