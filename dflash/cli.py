@@ -146,6 +146,9 @@ def verify(store, quick):
 @click.option("--kd-weight", type=float, help="Weight of the KD term against the stored top-k.")
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
+@click.option("--batch-slots/--no-batch-slots", default=None,
+              help="Workers hand over context features in reusable shared, page-locked slots (default) or in a "
+                   "fresh shared tensor per micro-batch that the DataLoader pins.")
 @click.option("--ddp-overlap/--no-ddp-overlap", default=None,
               help="DDP: all-reduce gradients during the backward (default) or after it.")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")

@@ -74,6 +74,7 @@ class TrainConfig:
     rows_per_batch: int = 1  # packed rows per micro-batch per process
     num_anchors: int = 64  # anchors per sample per epoch (upper bound)
     num_workers: int = 2  # DataLoader worker processes per training process
+    batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.batch_slots)
     seed: int = 0
     # loss
     gamma: float | None = None  # None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -16,17 +17,39 @@ class DeviceFeeder:
     pinned memory) run on a side CUDA stream, issued by `prefetch()` once the current step's first
     micro-batch is queued; `ready(item)` makes the compute stream wait for that micro-batch's copy only.
     Everything runs in the training thread.  On CPU it is a pass-through.  `wait_s` accumulates the time
-    spent blocked on the DataLoader (the data-wait metric)."""
+    spent blocked on the DataLoader (the data-wait metric).
 
-    def __init__(self, batches, device: torch.device, per_step: int):
+    With `slots` (the loader's dflash.batch_slots.BatchSlots), a micro-batch's context features arrive
+    as a slot number: they are copied to the device straight from the (pinned) slot, and the slot is
+    released, in micro-batch order, once that copy has finished (on CPU: copied out, released at once)."""
+
+    def __init__(self, batches, device: torch.device, per_step: int, slots=None):
         self.it, self.device, self.per_step = iter(batches), device, per_step
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.next = None
         self.wait_s = 0.0
+        self.slots = slots
+        self._held: deque = deque()  # (seq, copy event or None), oldest first: slots not yet released
+        self._fetched = 0
+
+    def _release(self) -> None:
+        """Release, in order, the slots whose copies are done; and, whatever it costs, the one the next
+        micro-batch needs (its copy is steps old by then), so that its worker never waits on us."""
+        need = self._fetched - self.slots.num_slots  # seq whose slot the next micro-batch reuses
+        while self._held:
+            seq, event = self._held[0]
+            if event is not None and not event.query():
+                if seq > need:
+                    break
+                event.synchronize()
+            self.slots.release(seq)
+            self._held.popleft()
 
     def _fetch(self) -> list | None:
         items = []
         for _ in range(self.per_step):
+            if self.slots is not None:
+                self._release()
             t = time.perf_counter()
             try:
                 b = next(self.it)
@@ -34,12 +57,19 @@ class DeviceFeeder:
                 break
             finally:
                 self.wait_s += time.perf_counter() - t
+            slot = b.pop("slot", None) if self.slots is not None else None
+            if slot is not None:
+                host = self.slots.view(slot, b.pop("ctx_shape"), torch.bfloat16)
+                b["ctx_hidden"] = host if self.stream is not None else host.clone()
             event = None
             if self.stream is not None:
                 with torch.cuda.stream(self.stream):
                     b = to_device(b, self.device)
                     event = torch.cuda.Event()
                     event.record(self.stream)
+            if self.slots is not None:
+                self._held.append((b.pop("seq"), event))
+                self._fetched += 1
             items.append((b, event))
         return items or None
 

@@ -177,7 +177,13 @@ def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, ep
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, as a dict of tensors."""
+    """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, as a dict of tensors.
+
+    dataset[(epoch, g, seq)] (make_loader with slots): the same micro-batch, its context features in
+    batch slot `seq % num_slots` (dflash.batch_slots) instead of a tensor: the dict holds `seq` and
+    `slot`, and the training process views the slot (DeviceFeeder)."""
+
+    slots = None  # BatchSlots shared with the workers (make_loader), or None: a fresh shared tensor per batch
 
     def __init__(self, store, spec: LoaderSpec):
         self.store = store
@@ -192,9 +198,9 @@ class PackedDataset(torch.utils.data.Dataset):
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.lengths, self.max_blocks, self.spec, epoch)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict:
-        epoch, g = key
-        return self.build(epoch, self.plan(epoch).batches[g], g)
+    def __getitem__(self, key: tuple) -> dict:
+        epoch, g, *seq = key
+        return self.build(epoch, self.plan(epoch).batches[g], g, seq=seq[0] if seq else None)
 
     def _sample(self, idx: int, epoch: int) -> dict:
         spec = self.spec
@@ -217,7 +223,7 @@ class PackedDataset(torch.utils.data.Dataset):
             out["topk_logprobs"] = d["topk_logprobs"][:T][src]
         return out
 
-    def build(self, epoch: int, rows: list[np.ndarray], g: int = -1) -> dict:
+    def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> dict:
         spec, B = self.spec, self.spec.block_size
         R = spec.rows_per_batch
         samples = [[self._sample(int(i), epoch) for i in row] for row in rows]
@@ -227,8 +233,13 @@ class PackedDataset(torch.utils.data.Dataset):
         LH = first.shape[-1] if first is not None else self.store.hidden_size * self.store.num_layers
         hidden_dtype = first.dtype if first is not None else torch.bfloat16
         K = samples[0][0]["topk_ids"].shape[-1] if spec.kd else 0
+        slot = None
+        if (seq is not None and self.slots is not None and hidden_dtype == torch.bfloat16
+                and self.slots.fits((R, S, LH), hidden_dtype)):
+            slot = self.slots.acquire(seq)
         b = dict(
-            ctx_hidden=_batch_tensor((R, S, LH), hidden_dtype),
+            ctx_hidden=(self.slots.view(slot, (R, S, LH), hidden_dtype) if slot is not None
+                        else _batch_tensor((R, S, LH), hidden_dtype)),
             ctx_positions=torch.zeros(R, S, dtype=torch.long),
             block_input_ids=torch.full((R, Q), spec.mask_token_id, dtype=torch.long),
             block_positions=torch.zeros(R, Q, dtype=torch.long),
@@ -277,6 +288,10 @@ class PackedDataset(torch.utils.data.Dataset):
         b["num_ctx_tokens"] = sum(s["T"] for s in flat)
         b["num_block_tokens"] = sum(len(s["labels"]) for s in flat)
         b["epoch"], b["index"] = epoch, g
+        if seq is not None:  # the training process releases every seq in order, slot or not
+            b["seq"], b["slot"] = seq, slot
+            if slot is not None:  # the features stay in the slot; only its number and shape cross over
+                b["ctx_shape"] = tuple(b.pop("ctx_hidden").shape)
         return b
 
 
@@ -341,10 +356,31 @@ def batch_bytes(spec: LoaderSpec, hidden_width: int) -> int:
     return spec.rows_per_batch * spec.s_shapes[-1] * hidden_width * 2
 
 
-def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False):
-    """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads)."""
+class _Numbered(torch.utils.data.Sampler):
+    """A sampler's keys with their position appended: (epoch, g) -> (epoch, g, seq), for batch slots."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def __iter__(self):
+        for seq, key in enumerate(self.sampler):
+            yield (*key, seq)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False,
+                slots=None):
+    """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads).
+
+    With `slots` (dflash.batch_slots.BatchSlots), workers write context features into them; the
+    consumer (DeviceFeeder with the same slots) must release every micro-batch's seq in order."""
     if num_workers < 1:
         raise DataError("num_workers must be >= 1: mask metadata is built in DataLoader worker processes.")
+    dataset.slots = slots
+    if slots is not None:
+        sampler = _Numbered(sampler)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "numpy", "dflash.loader"])
     return torch.utils.data.DataLoader(

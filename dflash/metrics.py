@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import TrainConfig
+from dflash.batch_slots import default_num_slots
 from dflash.loader import PREFETCH_FACTOR, batch_bytes
 from dflash.preflight import Setup, truncate_metrics
 
@@ -67,14 +68,17 @@ class RunLogger:
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         cut = int((setup.store.lengths() > setup.spec.s_shapes[-1]).sum())
         one = batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers)
-        in_flight = cfg.num_workers * PREFETCH_FACTOR * one  # the DataLoader's outstanding micro-batches
+        n_slots = default_num_slots(cfg.num_workers, cfg.grad_accum)  # dflash.batch_slots
         self.bar.write(
             f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
             f"Q {setup.spec.q_shapes}"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
-            + f"; host memory for batches in flight: up to {in_flight / 1e9:.2f} GB per process ({cfg.num_workers} "
-            f"workers x {PREFETCH_FACTOR} ready x {one / 1e6:.1f} MB; fewer --num-workers or --rows-per-batch lower it)",
+            + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
+               f"= {cfg.num_workers} workers + 3 x {cfg.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "
+               "page-locked on a GPU; fewer --num-workers or --rows-per-batch lower it)" if cfg.batch_slots else
+               f"; host memory for batches in flight: up to {cfg.num_workers * PREFETCH_FACTOR * one / 1e9:.2f} GB per "
+               f"process ({cfg.num_workers} workers x {PREFETCH_FACTOR} ready x {one / 1e6:.1f} MB)"),
             file=sys.stderr)
         (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
 

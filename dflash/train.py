@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dflash import checkpoint as ckpt
 from dflash import loader as L
 from dflash import masks
+from dflash.batch_slots import BatchSlots, default_num_slots
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.feeder import DeviceFeeder
@@ -203,7 +204,11 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(dataset, world, cfg.grad_accum)))
     start_batch = dataset.plan(epoch).batch_at_samples(samples_done)
     sampler = L.RankSampler(dataset, rank, world, cfg.grad_accum, epoch, start_batch, max(0, total - step))
-    loader = L.make_loader(dataset, sampler, cfg.num_workers, pin_memory=device.type == "cuda")
+    # Context features travel in reusable shared slots, page-locked on a GPU (dflash.batch_slots).
+    slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
+                       L.batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers),
+                       pin=device.type == "cuda") if cfg.batch_slots else None
+    loader = L.make_loader(dataset, sampler, cfg.num_workers, pin_memory=device.type == "cuda", slots=slots)
     step_plan = sampler.step_keys()
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
@@ -212,7 +217,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     # Compilations are expected the first time each (S, Q) shape pair appears (a short list, see
     # loader.shape_set); any other compilation is a recompile, and should stay at zero.
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0
-    feeder = DeviceFeeder(loader, device, cfg.grad_accum)
+    feeder = DeviceFeeder(loader, device, cfg.grad_accum, slots=slots)
     profiler = StepProfiler(cfg.out, rank, cfg.profile_start, cfg.profile_steps, device)
     gc_timer = step_gc.timer
     compiled = _compiled(cfg, device)
@@ -336,6 +341,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     if logger:
         final = logger.finish(tokens_total / time_total if time_total else 0.0)
     del feeder, loader
+    if slots is not None:
+        slots.close()
     return final
 
 

@@ -6,6 +6,7 @@ import torch
 
 from dflash import loader as L
 from dflash import masks
+from dflash.errors import DataError
 from dflash.loss import IGNORE, position_weights
 
 
@@ -199,6 +200,73 @@ def test_hidden_read_straight_into_batches(store):
     for x in L.make_loader(ds, sampler, num_workers=1):
         assert x["ctx_hidden"].is_shared()
         assert torch.equal(x["ctx_hidden"], ds[(x["epoch"], x["index"])]["ctx_hidden"])
+
+
+def test_batch_slots_carry_context_features(store):
+    """With batch slots, workers write context features into shared slots and only the slot's number
+    crosses to the trainer; through DeviceFeeder (2 slots for 2 workers: every slot reused many times,
+    workers waiting for them) every micro-batch equals the one built in-process, and every slot is
+    released in order."""
+    from dflash.batch_slots import BatchSlots
+    from dflash.feeder import DeviceFeeder
+
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
+    ds = L.PackedDataset(store, spec)
+    width = store.hidden_size * store.num_layers
+    steps = 3 * len(ds.plan(0))  # three epochs
+    direct = BatchSlots(steps + 1, L.batch_bytes(spec, width))  # enough slots that nothing waits
+    raw = list(L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=direct))
+    assert [x["seq"] for x in raw] == list(range(steps))
+    assert all(x["slot"] == x["seq"] and "ctx_hidden" not in x for x in raw)
+
+    slots = BatchSlots(2, L.batch_bytes(spec, width))
+    loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=slots)
+    feeder = DeviceFeeder(loader, torch.device("cpu"), per_step=1, slots=slots)
+    seen = 0
+    while True:
+        try:
+            (item,) = feeder.take()
+        except StopIteration:
+            break
+        b = feeder.ready(item)
+        ref = ds[(b["epoch"], b["index"])]
+        assert "slot" not in b and "seq" not in b
+        assert torch.equal(b["ctx_hidden"], ref["ctx_hidden"]) and torch.equal(b["labels"], ref["labels"])
+        seen += 1
+    assert seen == steps
+    # each slot's counter names the first micro-batch that may use it next: the last user + 2
+    assert slots.next_seq.tolist() == [max(q for q in range(steps) if q % 2 == s) + 2 for s in range(2)]
+
+
+def test_feeder_releases_slots_in_order():
+    """Slots are released oldest first, as their copies finish; a copy still running holds back the
+    slots after it, except the one the next micro-batch needs, which is waited for (never a deadlock)."""
+    from dflash.batch_slots import BatchSlots
+    from dflash.feeder import DeviceFeeder
+
+    class Copy:  # a CUDA event stand-in: finished or not, and whether the feeder waited for it
+        def __init__(self, done):
+            self.done, self.waited = done, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited, self.done = True, True
+
+    slots = BatchSlots(4, 8)
+    feeder = DeviceFeeder(iter(()), torch.device("cpu"), per_step=1, slots=slots)
+    copies = [Copy(True), Copy(False), Copy(True), Copy(False)]
+    feeder._held.extend(enumerate(copies))
+    feeder._fetched = 4  # the next micro-batch, seq 4, reuses seq 0's slot
+    feeder._release()
+    assert [seq for seq, _ in feeder._held] == [1, 2, 3] and slots.next_seq.tolist() == [4, 1, 2, 3]
+    feeder._fetched = 5  # seq 5 needs seq 1's slot: its copy is waited for, then seq 2 goes too
+    feeder._release()
+    assert copies[1].waited and not copies[3].waited
+    assert [seq for seq, _ in feeder._held] == [3] and slots.next_seq.tolist() == [4, 5, 6, 3]
+    with pytest.raises(DataError, match="before micro-batch 2"):
+        slots.acquire(2)  # slot 2 already belongs to micro-batch 6: the loader's order was broken
 
 
 def test_read_hidden_into_across_objects_and_tail(tmp_path):

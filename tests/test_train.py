@@ -120,10 +120,11 @@ def test_two_processes_without_create_block_mask(two_process_run):
 
 
 def test_two_processes_equal_one_with_accumulation(two_process_run, counting, tmp_path):
-    """W=2 x A=1 and W=1 x A=2 consume the same micro-batches: same losses, same weights."""
+    """W=2 x A=1 and W=1 x A=2 consume the same micro-batches: same losses, same weights (the one-process
+    run without batch slots, so that the two ways of handing over context features are compared too)."""
     cfg2, _ = two_process_run
     target, store = counting
-    cfg1 = _cfg(target, store, tmp_path / "one", steps=4, grad_accum=2)
+    cfg1 = _cfg(target, store, tmp_path / "one", steps=4, grad_accum=2, batch_slots=False)
     launch_train(cfg1)
     a, b = _metrics(cfg2.out), _metrics(cfg1.out)
     for x, y in zip(a, b):
@@ -393,8 +394,8 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
             assert float(norm) > max_norm  # clipping did bite in this case
 
 
-def test_banner_states_the_host_memory_of_batches_in_flight(counting, tmp_path, capsys):
-    from dflash.loader import PREFETCH_FACTOR, shape_set
+def test_banner_states_the_host_memory_of_batch_slots(counting, tmp_path, capsys):
+    from dflash.loader import shape_set
     from dflash.store import open_store
 
     target, store = counting
@@ -403,5 +404,6 @@ def test_banner_states_the_host_memory_of_batches_in_flight(counting, tmp_path, 
     s = open_store(store)
     one = cfg.rows_per_batch * shape_set(cfg.token_budget, cfg.num_shapes)[-1] * s.hidden_size * s.num_layers * 2
     err = capsys.readouterr().err
-    assert f"up to {2 * PREFETCH_FACTOR * one / 1e9:.2f} GB per process (2 workers x {PREFETCH_FACTOR} ready x " \
-           f"{one / 1e6:.1f} MB" in err, err[-2000:]
+    n = 2 + 3 * 1 + 1  # workers + 3 steps of 1 micro-batch + 1
+    assert f"{n * one / 1e9:.2f} GB of shared slots per process ({n} slots = 2 workers + 3 x 1 micro-batches per " \
+           f"step + 1, x {one / 1e6:.1f} MB" in err, err[-2000:]
