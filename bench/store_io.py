@@ -2,7 +2,7 @@
 
     python bench/store_io.py --out /tmp/bench_store [--hidden-dtype bf16|fp8] [--tokens 200000]
         [--width 20480 --layers 5] [--sample-len 1500] [--hidden-compressor zstd] [--chunk-tokens 64]
-        [--pre-encoded] [--io-threads N] [--no-fsync] [--profile]
+        [--pre-encoded] [--io-threads N] [--no-fsync] [--profile] [--own-loops] [--no-fused] [--write-only]
     python bench/store_io.py --out /tmp/bench_store --simulate-forward 8000 [--batch-tokens 16384]
 
 --simulate-forward RATE stands in for the GPU: each batch "computes" for batch_tokens / RATE seconds
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+import zarr
 
 from dflash.store import ShardWriter, create_or_check_manifest, open_store, verify_store
 
@@ -49,6 +50,9 @@ def main() -> None:
     ap.add_argument("--io-threads", type=int, default=None, help="ShardWriter io_threads (default: its own)")
     ap.add_argument("--own-loops", action="store_true",
                     help="ShardWriter(own_event_loops=True): encode on the I/O threads, each with its own event loop")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="ShardWriter(fused_pipeline=False): zarr's default codec pipeline (zarr >= 3.4; same bytes)")
+    ap.add_argument("--write-only", action="store_true", help="skip the read and verify passes")
     ap.add_argument("--simulate-forward", type=float, default=None, help="tok/s of a simulated GPU forward")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     a = ap.parse_args()
@@ -80,6 +84,7 @@ def main() -> None:
         enc.update(topk_ids=topk_ids.int().numpy(), topk_logprobs=topk_lp.numpy())
     extra = {} if a.io_threads is None else {"io_threads": a.io_threads}
     extra["own_event_loops"] = a.own_loops
+    extra["fused_pipeline"] = not a.no_fused
     t0 = time.perf_counter()
     prof = cProfile.Profile() if a.profile else None
     if prof:
@@ -109,8 +114,13 @@ def main() -> None:
         pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     tokens = n * t
     nbytes = sum(f.stat().st_size for f in Path(a.out).rglob("*") if f.is_file())
+    pipeline = type(w.arrays["hidden"].async_array.codec_pipeline).__name__
     print(f"write: {tokens / dt:,.0f} tok/s ({nbytes / dt / 1e9:.2f} GB/s of store, {a.hidden_dtype}"
-          f"{', pre-encoded' if enc else ''}), objects of {w.S} tokens")
+          f"{', pre-encoded' if enc else ''}), objects of {w.S} tokens, zarr {zarr.__version__} {pipeline}"
+          f"{', own event loops' if a.own_loops else ''}, {w._max_inflight} I/O threads", flush=True)
+    if a.write_only:
+        shutil.rmtree(a.out)
+        return
     s = open_store(a.out)
     t0 = time.perf_counter()
     for sid in s.sample_ids():

@@ -263,7 +263,7 @@ def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_targe
 
 
 @pytest.mark.parametrize("io", [dict(overlap_io=False), dict(io_threads=1), dict(io_threads=3),
-                                dict(io_threads=3, own_event_loops=True)])
+                                dict(io_threads=3, own_event_loops=True), dict(io_threads=3, fused_pipeline=False)])
 def test_io_threads_do_not_change_the_bytes(tmp_path, io):
     plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
     stores = {}

@@ -126,6 +126,46 @@ def test_compressed_hidden_round_trip(tmp_path):
     assert verify_store(root).ok
 
 
+@pytest.mark.parametrize("compressor", [None, "zstd"])
+@pytest.mark.parametrize("io", [dict(), dict(own_event_loops=True), dict(overlap_io=False)])
+def test_fused_pipeline_writes_the_same_files(tmp_path, compressor, io):
+    """fused_pipeline (zarr >= 3.4's FusedCodecPipeline, ignored on older zarr) against zarr's default pipeline:
+    the same files, all-zero objects kept (write_empty_chunks), across a reopen and a partial last object."""
+    from dflash.store import writer as writer_module
+
+    def zeroed(sid):  # samples 10..19 have all-zero hidden states: whole zero objects (32 tokens each)
+        x = sample(sid)
+        if 10 <= sid < 20:
+            x["hidden"] = torch.zeros_like(x["hidden"])
+        return x
+
+    files = {}
+    for fused in (False, True):
+        root = tmp_path / f"fused{int(fused)}"
+        create_or_check_manifest(root, manifest())
+        for ids, final in ((range(0, 14), False), (range(14, 30), True)):  # the second writer resumes the shard
+            with ShardWriter(root, 0, hidden_width=W, num_layers=L, topk=K, hidden_compressor=compressor,
+                             fused_pipeline=fused, **{**SMALL, **io}) as w:
+                pipelines = {type(a.async_array.codec_pipeline).__name__ for a in w.arrays.values()}
+                want = "FusedCodecPipeline" if fused and writer_module._FUSED else "BatchedCodecPipeline"
+                assert pipelines == {want}
+                for sid in ids:
+                    w.append(sid, sid, **zeroed(sid))
+                if final:
+                    w.finalize()
+                assert {type(a.async_array.codec_pipeline).__name__ for a in w.arrays.values()} == {want}  # resized
+        s = open_store(root)
+        for sid in range(30):
+            r = s.read(sid)
+            assert torch.equal(r["hidden"].view(torch.int16), zeroed(sid)["hidden"].bfloat16().view(torch.int16))
+        assert verify_store(root).ok
+        files[fused] = _files(root)
+    objects = [k for k in files[True] if k.startswith("shard-00000/hidden/c/")]
+    total = sum(len(sample(sid)["input_ids"]) for sid in range(30))
+    assert len(objects) == -(-total // 32)  # every object exists, the all-zero ones too
+    assert files[True] == files[False]
+
+
 def test_fp8_within_e4m3_tolerance(tmp_path):
     root = tmp_path / "s"
     create_or_check_manifest(root, manifest(hidden_dtype="fp8"))

@@ -44,6 +44,10 @@ GB/s per GPU) and slower than training reads them, so `hidden` is stored uncompr
 Checksums are xxh3-64 (~20 GB/s), one per sample per array.  Local filesystems only (fsync).
 Measured on the H200 host (16 cores, local disk, zarr 3.4, bf16, 40 KB/token, fsync on): ~14K tok/s
 (0.6 GB/s) appended+committed by one writer without overlap; Store.read ~22K tok/s per process.
+On zarr >= 3.4 the arrays are written through zarr's FusedCodecPipeline (`fused_pipeline`, same bytes)
+rather than its default pipeline, which encodes every object on zarr's one event-loop thread (the writer
+sustained ~0.93 GB/s on that host with it).  On 2 cores (tmpfs, zarr 3.4.2, 4 I/O threads) the whole
+writer went from 0.65-1.2 GB/s to 1.5-1.75 GB/s; not yet measured on a GPU host.
 `dflash.store.pipeline.WritePipeline` runs a ShardWriter on a thread of its own so that precompute's GPU
 never waits for it.
 """
@@ -69,6 +73,14 @@ from dflash.store.manifest import atomic_write_bytes, mark_shard, shard_name, sh
 from dflash.store.rows import FP8_MAX, Rows, as_stored, encode_hidden, encode_hidden_tensors, fsync_files, pow2_floor
 
 __all__ = ["FP8_MAX", "ShardWriter", "encode_hidden", "encode_hidden_tensors"]
+
+
+try:  # zarr >= 3.4
+    from zarr.core.codec_pipeline import FusedCodecPipeline
+
+    _FUSED: str | None = f"{FusedCodecPipeline.__module__}.{FusedCodecPipeline.__qualname__}"
+except ImportError:
+    _FUSED = None
 
 
 def _in_event_loop() -> bool:
@@ -103,8 +115,12 @@ class ShardWriter:
         # encode objects on the I/O threads, each with its own event loop, instead of through zarr's synchronous
         # API (one event-loop thread for all); off until measured on a GPU host (bench/store_io.py --own-loops)
         own_event_loops: bool = False,
+        # zarr >= 3.4 only (ignored before): build the arrays on zarr's FusedCodecPipeline, which writes the
+        # objects of a slice in parallel on worker threads, off zarr's event-loop thread; same bytes
+        fused_pipeline: bool = True,
     ):
         self._own_loops = own_event_loops
+        self._fused = fused_pipeline and _FUSED is not None
         self.durable = durable
         # I/O threads so that disk writes overlap the caller's work.  They only ever see numpy arrays, zarr
         # and os.fsync (_store_slices): no torch, no compiled code, no masks.
@@ -152,6 +168,13 @@ class ShardWriter:
     # -- set-up -------------------------------------------------------------------------------------
 
     def _open_arrays(self, S: int, ci: int, hidden_compressor) -> dict[str, zarr.Array]:
+        # An array keeps the codec pipeline of the config in force when it is made (resize keeps it), and
+        # zarr has no per-array setting for it.  The config is global, so arrays other threads happen to
+        # open meanwhile get the fused pipeline too: it reads and writes the same bytes.
+        with zarr.config.set({"codec_pipeline.path": _FUSED} if self._fused else {}):
+            return self._open_arrays_now(S, ci, hidden_compressor)
+
+    def _open_arrays_now(self, S: int, ci: int, hidden_compressor) -> dict[str, zarr.Array]:
         group = zarr.open_group(LocalStore(self.dir), mode="a")
         attrs = {
             "hidden_width": self.specs["hidden"][1][0],
@@ -170,10 +193,13 @@ class ShardWriter:
                     "original settings or pass --overwrite to start over."
                 )
         small = BloscCodec(cname="zstd", clevel=3, shuffle="shuffle")
+        # every written object and inner chunk exists, all-zero ones too: simple cleanup and fsync, and the
+        # bytes do not depend on the data.  A runtime setting, not stored: a resumed shard needs it again.
+        keep_empty = {"write_empty_chunks": True}
         arrays = {}
         for name, (dtype, row) in self.specs.items():
             if name in group:
-                arrays[name] = group[name]
+                arrays[name] = group[name].with_config(keep_empty)
                 continue
             if name == "hidden":
                 chunks, comp = (ci, *row), (ZstdCodec(level=1) if hidden_compressor == "zstd" else None)
@@ -192,7 +218,7 @@ class ShardWriter:
                 compressors=comp,
                 fill_value=0,
                 attributes=extra,
-                config={"write_empty_chunks": True},  # every written object exists: simple cleanup, fsync
+                config=keep_empty,
             )
         return arrays
 
@@ -334,10 +360,11 @@ class ShardWriter:
     def _store_slices(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path]) -> None:
         """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories.
 
-        With own_event_loops, through zarr's async API on an event loop of this thread's own: zarr's
-        synchronous API runs every caller's coroutines (the encoding: filling and copying each inner
-        chunk, joining them into the object) on its one event-loop thread, where the I/O threads'
-        encodings queue up behind each other (bench/zarr_encode.py; docs/BENCHMARKS.md)."""
+        zarr's default pipeline encodes (copies the inner chunks, joins them into the object) on zarr's
+        one event-loop thread, where the I/O threads' encodings queue up behind each other.  The fused
+        pipeline (zarr >= 3.4, `fused_pipeline`) encodes and stores each object of the slice on a worker
+        thread instead; own_event_loops runs the default pipeline's encoding on this thread, through zarr's
+        async API on an event loop of its own (bench/zarr_encode.py; docs/BENCHMARKS.md)."""
         async def write_all():
             await asyncio.gather(*(arr.async_array.setitem(slice(lo, hi), slices[name]) for name, arr in self.arrays.items()))
 
