@@ -3,10 +3,11 @@
 Why: a DataLoader worker otherwise builds each micro-batch's context features (~670 MB at Qwen3-8B width,
 4 rows of 4096 tokens) in a fresh shared-memory segment.  The training process then maps it, the
 DataLoader's pin-memory thread copies it into page-locked memory, and the segment is unmapped and its
-pages freed when the batch is dropped.  That free runs in the pin-memory thread with the GIL held, tens
-of ms per batch, while the training thread needs the GIL to launch the step: on an H200 host py-spy
-found the pin-memory thread holding the GIL three times as often as the training thread, and the GPU
-idled between launches (docs/BENCHMARKS.md, session 5).
+pages freed when the batch is dropped, in the pin-memory thread with the GIL held: on an H200 host py-spy
+found that thread holding the GIL three times as often as the training thread.  Page-locked memory grows
+with the micro-batches in flight (workers x 4, ~21 GB per GPU at 8B).  With slots the pin-memory thread
+holds the GIL 10x less, host memory is bounded (~8 GB per GPU there) and one host copy per micro-batch
+is gone; the step itself was not faster (it was not held back by that GIL; docs/BENCHMARKS.md, session 5).
 
 Here the training process makes `num_slots` buffers once, in shared memory, page-locked with
 cudaHostRegister on a GPU.  Workers attach to them at start (the DataLoader hands them the dataset, and
@@ -19,19 +20,19 @@ this loader's order) uses slot `seq % num_slots` once `next_seq[slot] == seq`.  
 sets `next_seq[slot] = seq + num_slots` when the slot's contents have been copied out (`release`).  A
 worker waiting for a slot polls that counter.  The loader returns batches in order and the training
 process holds at most a few steps' worth, so `num_slots` >= workers + 3 x micro-batches per step cannot
-deadlock (see `default_num_slots`).
+deadlock (see `default_num_slots`).  A worker may wait as long as the trainer is busy (a checkpoint, an
+evaluation), but not past its parent's death: it then raises instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
 
 from dflash.errors import DataError
-
-WAIT_TIMEOUT_S = 600.0  # a worker waiting this long for a slot means the training process stopped releasing
 
 
 def default_num_slots(num_workers: int, per_step: int) -> int:
@@ -49,6 +50,7 @@ class BatchSlots:
         self.buf = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self.next_seq = torch.arange(self.num_slots, dtype=torch.int64).share_memory_()
         self._registered = False
+        self._parent = None  # in a worker: the pid of the process that started it
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
@@ -61,6 +63,10 @@ class BatchSlots:
     def __getstate__(self):  # workers get the shared buffers, never the registration
         return {"num_slots": self.num_slots, "slot_bytes": self.slot_bytes, "buf": self.buf,
                 "next_seq": self.next_seq, "_registered": False}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._parent = os.getppid()  # as DataLoader's own worker watchdog: a new parent means ours died
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         need = math.prod(shape) * dtype.itemsize
@@ -76,14 +82,13 @@ class BatchSlots:
     def acquire(self, seq: int) -> int:
         """In a worker: wait until micro-batch `seq` may use its slot; returns the slot."""
         slot = seq % self.num_slots
-        t0 = time.monotonic()
         while int(self.next_seq[slot]) != seq:
             if int(self.next_seq[slot]) > seq:
                 raise DataError(f"batch slot {slot} was handed to micro-batch {int(self.next_seq[slot])} before "
                                 f"micro-batch {seq}; this is a bug in the loader's order")
-            if time.monotonic() - t0 > WAIT_TIMEOUT_S:
-                raise DataError(f"a DataLoader worker waited {WAIT_TIMEOUT_S:.0f} s for batch slot {slot} "
-                                f"(micro-batch {seq}); the training process stopped taking batches")
+            if self._parent is not None and os.getppid() != self._parent:
+                raise DataError(f"the process that started this DataLoader worker is gone (micro-batch {seq} "
+                                "was waiting for its batch slot)")
             time.sleep(0.0005)
         return slot
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import TrainConfig
 from dflash.batch_slots import default_num_slots
+from dflash.config import TrainConfig
 from dflash.loader import PREFETCH_FACTOR, batch_bytes
 from dflash.preflight import Setup, truncate_metrics
 

@@ -269,6 +269,64 @@ def test_feeder_releases_slots_in_order():
         slots.acquire(2)  # slot 2 already belongs to micro-batch 6: the loader's order was broken
 
 
+_ORPHAN_PARENT = """
+import os, sys, time
+import torch.multiprocessing as mp
+from dflash.batch_slots import BatchSlots
+
+
+def wait_for_slot(slots):
+    slots.acquire(1)  # slot 0 belongs to micro-batch 0, which nobody will release
+
+
+if __name__ == "__main__":
+    slots = BatchSlots(1, 8)
+    w = mp.get_context("spawn").Process(target=wait_for_slot, args=(slots,))
+    w.start()
+    open(sys.argv[1] + ".tmp", "w").write(str(w.pid))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # the test never reads half a pid
+    time.sleep(600)
+"""
+
+
+def test_worker_waiting_for_a_slot_dies_with_its_parent(tmp_path):
+    """A worker may wait for a slot as long as its trainer lives, and no longer: kill -9 of the parent
+    makes it raise and exit instead of polling forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script, pidfile = tmp_path / "parent.py", tmp_path / "worker.pid"
+    script.write_text(_ORPHAN_PARENT)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    parent = subprocess.Popen([sys.executable, str(script), str(pidfile)], env=env, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not pidfile.is_file():
+        assert parent.poll() is None and time.time() < deadline, parent.stderr.read().decode()[-2000:]
+        time.sleep(0.05)
+    worker = int(pidfile.read_text())
+    time.sleep(1.0)
+    assert _running(worker)  # waiting, not finished
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    gone = time.time() + 30
+    while _running(worker):
+        assert time.time() < gone, "the worker outlived its parent"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead child of a dead parent may linger as one until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_read_hidden_into_across_objects_and_tail(tmp_path):
     """Store.read_hidden_into over Zarr objects and the committed tail of a shard still being written."""
     from dflash.store import ShardWriter, create_or_check_manifest, open_store

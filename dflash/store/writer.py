@@ -46,8 +46,9 @@ Measured on the H200 host (16 cores, local disk, zarr 3.4, bf16, 40 KB/token, fs
 (0.6 GB/s) appended+committed by one writer without overlap; Store.read ~22K tok/s per process.
 On zarr >= 3.4 the arrays are written through zarr's FusedCodecPipeline (`fused_pipeline`, same bytes)
 rather than its default pipeline, which encodes every object on zarr's one event-loop thread (the writer
-sustained ~0.93 GB/s on that host with it).  On 2 cores (tmpfs, zarr 3.4.2, 4 I/O threads) the whole
-writer went from 0.65-1.2 GB/s to 1.5-1.75 GB/s; not yet measured on a GPU host.
+sustained ~0.93 GB/s on that host with it).  Whole writer, 4 I/O threads, tmpfs, zarr 3.4.2: 1.8 GB/s
+against 1.2-1.3 on a 32-core H200 host (1.5-1.75 against 0.65-1.2 on 2 cores); at 8B, precompute's GPU
+then never waits for the store (docs/BENCHMARKS.md, session 5).
 `dflash.store.pipeline.WritePipeline` runs a ShardWriter on a thread of its own so that precompute's GPU
 never waits for it.
 """
