@@ -275,16 +275,15 @@ import torch.multiprocessing as mp
 from dflash.batch_slots import BatchSlots
 
 
-def wait_for_slot(slots):
+def wait_for_slot(slots, pidfile):
+    open(pidfile + ".tmp", "w").write(str(os.getpid()))
+    os.replace(pidfile + ".tmp", pidfile)  # started, slots received: the test never reads half a pid
     slots.acquire(1)  # slot 0 belongs to micro-batch 0, which nobody will release
 
 
 if __name__ == "__main__":
     slots = BatchSlots(1, 8)
-    w = mp.get_context("spawn").Process(target=wait_for_slot, args=(slots,))
-    w.start()
-    open(sys.argv[1] + ".tmp", "w").write(str(w.pid))
-    os.replace(sys.argv[1] + ".tmp", sys.argv[1])  # the test never reads half a pid
+    mp.get_context("spawn").Process(target=wait_for_slot, args=(slots, sys.argv[1])).start()
     time.sleep(600)
 """
 
@@ -308,14 +307,21 @@ def test_worker_waiting_for_a_slot_dies_with_its_parent(tmp_path):
         assert parent.poll() is None and time.time() < deadline, parent.stderr.read().decode()[-2000:]
         time.sleep(0.05)
     worker = int(pidfile.read_text())
-    time.sleep(1.0)
-    assert _running(worker)  # waiting, not finished
-    os.kill(parent.pid, signal.SIGKILL)
-    parent.wait(timeout=30)
-    gone = time.time() + 30
-    while _running(worker):
-        assert time.time() < gone, "the worker outlived its parent"
-        time.sleep(0.05)
+    try:
+        time.sleep(1.0)
+        assert _running(worker)  # waiting, not finished
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=30)
+        gone = time.time() + 30
+        while _running(worker):
+            assert time.time() < gone, "the worker outlived its parent"
+            time.sleep(0.05)
+    finally:
+        for pid in (parent.pid, worker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def _running(pid: int) -> bool:
