@@ -21,7 +21,7 @@ sets `next_seq[slot] = seq + num_slots` when the slot's contents have been copie
 worker waiting for a slot polls that counter.  The loader returns batches in order and the training
 process holds at most a few steps' worth, so `num_slots` >= workers + 3 x micro-batches per step cannot
 deadlock (see `default_num_slots`).  A worker may wait as long as the trainer is busy (a checkpoint, an
-evaluation), but not past its parent's death: it then raises instead of waiting forever.
+evaluation), but not past the trainer's death: it then raises instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class BatchSlots:
         self.buf = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self.next_seq = torch.arange(self.num_slots, dtype=torch.int64).share_memory_()
         self._registered = False
-        self._parent = None  # in a worker: the pid of the process that started it
+        self._owner = os.getpid()  # the training process: workers stop waiting when it is gone
         if pin:
             err = torch.cuda.cudart().cudaHostRegister(self.buf.data_ptr(), self.buf.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
@@ -62,11 +62,7 @@ class BatchSlots:
 
     def __getstate__(self):  # workers get the shared buffers, never the registration
         return {"num_slots": self.num_slots, "slot_bytes": self.slot_bytes, "buf": self.buf,
-                "next_seq": self.next_seq, "_registered": False}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._parent = os.getppid()  # as DataLoader's own worker watchdog: a new parent means ours died
+                "next_seq": self.next_seq, "_registered": False, "_owner": self._owner}
 
     def view(self, slot: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         need = math.prod(shape) * dtype.itemsize
@@ -82,13 +78,16 @@ class BatchSlots:
     def acquire(self, seq: int) -> int:
         """In a worker: wait until micro-batch `seq` may use its slot; returns the slot."""
         slot = seq % self.num_slots
+        checked = time.monotonic()
         while int(self.next_seq[slot]) != seq:
             if int(self.next_seq[slot]) > seq:
                 raise DataError(f"batch slot {slot} was handed to micro-batch {int(self.next_seq[slot])} before "
                                 f"micro-batch {seq}; this is a bug in the loader's order")
-            if self._parent is not None and os.getppid() != self._parent:
-                raise DataError(f"the process that started this DataLoader worker is gone (micro-batch {seq} "
-                                "was waiting for its batch slot)")
+            if time.monotonic() - checked > 0.1:
+                if not _alive(self._owner):
+                    raise DataError(f"the training process {self._owner} is gone (micro-batch {seq} was waiting "
+                                    "for its batch slot)")
+                checked = time.monotonic()
             time.sleep(0.0005)
         return slot
 
@@ -101,6 +100,23 @@ class BatchSlots:
             torch.cuda.synchronize()  # no copy may still read the slots
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
             self._registered = False
+
+
+def _alive(pid: int) -> bool:
+    """pid exists and is not a zombie (a killed trainer stays one until its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 __all__ = ["BatchSlots", "default_num_slots"]

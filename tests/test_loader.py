@@ -284,12 +284,13 @@ def wait_for_slot(slots, pidfile):
 if __name__ == "__main__":
     slots = BatchSlots(1, 8)
     mp.get_context("spawn").Process(target=wait_for_slot, args=(slots, sys.argv[1])).start()
-    time.sleep(600)
+    time.sleep(600)  # the trainer: alive, busy, releasing nothing
+
 """
 
 
-def test_worker_waiting_for_a_slot_dies_with_its_parent(tmp_path):
-    """A worker may wait for a slot as long as its trainer lives, and no longer: kill -9 of the parent
+def test_worker_waiting_for_a_slot_dies_with_its_trainer(tmp_path):
+    """A worker may wait for a slot as long as its trainer lives, and no longer: kill -9 of the trainer
     makes it raise and exit instead of polling forever."""
     import os
     import signal
