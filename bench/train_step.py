@@ -49,7 +49,8 @@ class Bench:
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
         if self.compiled:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            self.raw.compile(dynamic=False)  # as dflash.train does: in place, once, in this main thread
+            # as dflash.train does: in place, once, in this main thread (variant cg=1: with CUDA graphs)
+            self.raw.compile(dynamic=False, mode=getattr(args, "compile_mode", None))
         decay = [p for p in self.raw.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.raw.parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
@@ -328,8 +329,11 @@ def parse_variant(spec: str) -> dict:
     fwd = BLOCK_M:BLOCK_N:num_warps:num_stages; bwd = BLOCK_M1:BLOCK_N1:BLOCK_M2:BLOCK_N2:num_warps:num_stages
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
     on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
-    reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation)."""
-    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1, "cdt": False}
+    reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); cg=1
+    compiles the drafter with mode="reduce-overhead" (CUDA graphs for its forward and backward: no Python
+    kernel launches, the inputs copied into static buffers)."""
+    out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
+           "cdt": False, "cg": False}
     for part in spec.split(","):
         key, _, val = part.strip().partition("=")
         if key == "R":
@@ -340,7 +344,7 @@ def parse_variant(spec: str) -> dict:
             out["shape"] = val
         elif key == "accum":
             out["accum"] = int(val)
-        elif key in ("autotune", "profile", "cdt"):
+        elif key in ("autotune", "profile", "cdt", "cg"):
             out[key] = val not in ("0", "")
         elif key == "fwd":
             bm, bn, w, st = (int(x) for x in val.split(":"))
@@ -362,7 +366,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
 
     from dflash import model as dmodel
 
-    current = (None, False, {}, False)
+    current = (None, False, {}, False, False)
     for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
         v = parse_variant(spec)
         key = "v_" + "_".join(p.strip().replace("=", "").replace(":", "-") for p in spec.split(","))
@@ -372,7 +376,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
             res.set(key, {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
             continue
         with res.guard(key):
-            want = (v["shape"], v["autotune"], v["flex"], v["cdt"])
+            want = (v["shape"], v["autotune"], v["flex"], v["cdt"], v["cg"])
             if want != current:
                 del bench
                 gc.collect()
@@ -390,6 +394,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 dmodel.FLEX_KERNEL_OPTIONS.clear()
                 dmodel.FLEX_KERNEL_OPTIONS.update(v["flex"])
                 t = time.perf_counter()
+                args.compile_mode = "reduce-overhead" if v["cg"] else None
                 bench = Bench(args, tiny, device, v["shape"])
                 res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
                 current = want
@@ -399,7 +404,8 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 run_config(res, bench, key, v["R"], S, Q, k, args, baseline=False)
                 res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
                                                   autotune=v["autotune"], flex_kernel_options=v["flex"],
-                                                  accum=v["accum"], coordinate_descent_tuning=v["cdt"])
+                                                  accum=v["accum"], coordinate_descent_tuning=v["cdt"],
+                                                  cuda_graphs=v["cg"])
                 res.save()
             finally:
                 args.lm_head_chunk, args.profile_this, args.accum_this = chunk0, False, 1
