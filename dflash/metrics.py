@@ -46,7 +46,8 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
         "data_wait_frac": p["data_wait"] / p["dt"],  # both measured on the host
         "gc_frac": p.get("gc", 0.0) / p["dt"],  # Python garbage collection's share of the host's step
         # the host's step by phase (train.HOST_PHASES): launching fwd / loss / bwd / opt, and waiting for
-        # the device (sync).  A step whose sync share is ~0 was host-bound: the GPU waited for the host.
+        # the device (sync).  A large sync share: the host was a step ahead (GPU-bound); near zero: it never
+        # got ahead (busy launching, or blocked in a launch by a full CUDA launch queue).
         **{f"host_{k}_frac": v / p["dt"] for k, v in p.get("host", {}).items()},
         "peak_mem_gb": peak_mem_gb(device),
         "compiles": compiles,

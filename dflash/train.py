@@ -225,8 +225,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     tokens_total, time_total = 0, 0.0
     final = pending = last_event = None
     steps_run = 0
-    # The host's time per step by phase (seconds, summed over micro-batches): where a host-bound step
-    # goes.  "sync" is the time blocked on the device (finish); near zero means the GPU waited for the host.
+    # The host's time per step by phase (seconds, summed over micro-batches).  "sync" is the time blocked
+    # on the device (finish): a large share means the host ran a step ahead (GPU-bound); near zero, it never
+    # got ahead, either busy launching or blocked inside a launch by a full CUDA launch queue.
     host = dict.fromkeys(HOST_PHASES, 0.0)
     host_last = dict(host)  # at the end of the previous step's interval (t_last)
 
