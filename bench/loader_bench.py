@@ -289,7 +289,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
             out["ctx_tokens_per_s_overall"] = round(sum(r["ctx_tokens"] for r in steady) / sum(dts))
             out["data_wait_frac_overall"] = round(sum(r.get("data_wait_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
             out["gc_frac_overall"] = round(sum(r.get("gc_frac", 0) * d for r, d in zip(steady, dts)) / sum(dts), 4)
-            # the host's step by phase, over all steady steps (host intervals; sync ~0: host-bound)
+            # the training thread's step by phase, mean over the steady steps (shares of host intervals)
             out["host_phase_frac_mean"] = {k: round(float(np.mean([r.get(f"host_{k}_frac", 0) for r in steady])), 4)
                                            for k in HOST_PHASES}
         out.update({

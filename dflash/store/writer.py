@@ -114,7 +114,8 @@ class ShardWriter:
         io_threads: int = 4,  # object writes in flight at once, each on its own thread, to other objects
         # (4: 23.9K tok/s against 19.0K with 2 for an 8B target on one H200, bf16; docs/BENCHMARKS.md)
         # encode objects on the I/O threads, each with its own event loop, instead of through zarr's synchronous
-        # API (one event-loop thread for all); off until measured on a GPU host (bench/store_io.py --own-loops)
+        # API (one event-loop thread for all); no gain measured (CPU only), and zarr >= 3.4's fused pipeline (below)
+        # takes the encoding off that thread anyway
         own_event_loops: bool = False,
         # zarr >= 3.4 only (ignored before): build the arrays on zarr's FusedCodecPipeline, which writes the
         # objects of a slice in parallel on worker threads, off zarr's event-loop thread; same bytes
