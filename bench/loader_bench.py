@@ -384,37 +384,43 @@ def part_scaling(tiny: bool, limit: float) -> None:
     one, two = ("cpu:1", "cpu:2") if tiny or n_gpu == 0 else ("0", "0,1")
     steps, skip = (4, 1) if tiny else (int(os.environ.get("BENCH_TRAIN_STEPS", "25")), int(os.environ.get("BENCH_TRAIN_SKIP", "5")))
     workers = 1 if tiny else int(os.environ.get("BENCH_TRAIN_WORKERS", "8"))
-    # BENCH_TRAIN_SET="key=value,...": train settings of both runs (JSON values, e.g. gc_every=0);
-    # BENCH_TRAIN_AB: settings of one more two-GPU run after them (same call, same host: a before/after)
+    # BENCH_TRAIN_SET="key=value,...": train settings of all runs (JSON values, e.g. gc_every=0);
+    # BENCH_TRAIN_AB: settings of one more two-GPU run after them (same call, same host: a before/after),
+    # and with BENCH_TRAIN_AB_1GPU=1 of one more one-GPU run too
     base, ab = _settings(os.environ.get("BENCH_TRAIN_SET")), os.environ.get("BENCH_TRAIN_AB") or None
+    two_ok = tiny or n_gpu >= 2
+    runs = [("gpus_2", two, "g2", base)] if two_ok else []
+    runs.append(("gpus_1", one, "g1", base))
+    if ab and two_ok:
+        runs.append(("gpus_2_ab", two, "g2ab", {**base, **_settings(ab)}))
+    if ab and os.environ.get("BENCH_TRAIN_AB_1GPU") == "1":
+        runs.append(("gpus_1_ab", one, "g1ab", {**base, **_settings(ab)}))
     with res.guard("store"):
         build_store(tiny)
-    # two GPUs first: the number this part exists for; one GPU with what is left
-    left = limit - elapsed() - 10
-    if not tiny and n_gpu < 2:
+    if not two_ok:
         res.set("gpus_2", {"skipped": f"{n_gpu} GPU(s) visible"})
-    else:
-        with res.guard("gpus_2"):
-            res.set("gpus_2", train_run(tiny, two, steps, skip, timeout=(0.45 if ab else 0.58) * left, tag="g2",
-                                        workers=workers, settings=base))
-    left = limit - elapsed() - 5
-    if left < 30:
-        res.set("gpus_1", {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
-    else:
-        with res.guard("gpus_1"):
-            res.set("gpus_1", train_run(tiny, one, steps, skip, timeout=(0.55 if ab else 1) * left, tag="g1",
-                                        workers=workers, settings=base))
-    if ab and (tiny or n_gpu >= 2):
+    # two GPUs first: the number this part exists for; each run gets an even share of what is left
+    # (a two-GPU run 1.2 shares: it compiles in two processes)
+    for i, (key, gpus, tag, settings) in enumerate(runs):
         left = limit - elapsed() - 5
-        with res.guard("gpus_2_ab"):
-            res.set("gpus_2_ab", {"settings": ab, **train_run(tiny, two, steps, skip, timeout=left, tag="g2ab",
-                                                              workers=workers, settings={**base, **_settings(ab)})})
+        shares = [1.2 if r[1] == two else 1.0 for r in runs[i:]]
+        if left < 30:
+            res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
+            continue
+        with res.guard(key):
+            r = train_run(tiny, gpus, steps, skip, timeout=left * shares[0] / sum(shares), tag=tag, workers=workers,
+                          settings=settings)
+            res.set(key, {"settings": settings, **r} if settings else r)
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_median")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_median")
     res.set("scaling_2_over_1", round(b / a, 3) if a and b else None)
     a = res.data.get("gpus_1", {}).get("ctx_tokens_per_s_overall")
     b = res.data.get("gpus_2", {}).get("ctx_tokens_per_s_overall")
     res.set("scaling_2_over_1_overall", round(b / a, 3) if a and b else None)
+    a = res.data.get("gpus_1_ab", {}).get("ctx_tokens_per_s_overall")
+    b = res.data.get("gpus_2_ab", {}).get("ctx_tokens_per_s_overall")
+    if a and b:
+        res.set("scaling_2_over_1_overall_ab", round(b / a, 3))
     res.set("note", "ctx_tokens_per_s is global (all processes) per optimizer step, median over the steps after "
                     "the first `skipped_first_steps` (compile, warm-up); each process has its own DataLoader")
     res.set("wall_s", round(elapsed(), 1))

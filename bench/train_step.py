@@ -68,6 +68,8 @@ class Bench:
         loss, label positions and loss denominator from the loader: no host sync) or, with
         host_syncs and not fused, as it ran before (nonzero() and float(denom) syncs, eager loss)."""
         denom = float(m["loss_weight"].sum().double()) if host_syncs else m["loss_weight_sum"]
+        if getattr(self.args, "compile_mode", None) == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # as dflash.train does with cuda_graphs
         block_mask = make_mask(m["mask"])
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)

@@ -152,6 +152,9 @@ def verify(store, quick):
 @click.option("--ddp-overlap/--no-ddp-overlap", default=None,
               help="DDP: all-reduce gradients during the backward (default) or after it.")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
+              help="Replay the compiled drafter's forward and backward as CUDA graphs (compile mode "
+                   "reduce-overhead): fewer host launches per step, more GPU memory. Off by default.")
 @click.option("--gc-every", type=int,
               help="Collect Python garbage every N steps instead of at random ones (default 50; 0 = Python's automatic GC).")
 @click.option("--profile-steps", type=int,
