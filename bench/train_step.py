@@ -76,6 +76,7 @@ class Bench:
             hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
         out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
                          denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
+                         kernel=getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
                          label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
         if not optimizer_step:  # gradient accumulation (variant accum=N): the optimizer runs every N-th
@@ -333,9 +334,10 @@ def parse_variant(spec: str) -> dict:
     on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
     reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); cg=1
     compiles the drafter with mode="reduce-overhead" (CUDA graphs for its forward and backward: no Python
-    kernel launches, the inputs copied into static buffers)."""
+    kernel launches, the inputs copied into static buffers); loss=triton runs the per-chunk softmax /
+    gradient with dflash.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
     out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
-           "cdt": False, "cg": False}
+           "cdt": False, "cg": False, "loss": "compiled"}
     for part in spec.split(","):
         key, _, val = part.strip().partition("=")
         if key == "R":
@@ -346,6 +348,10 @@ def parse_variant(spec: str) -> dict:
             out["shape"] = val
         elif key == "accum":
             out["accum"] = int(val)
+        elif key == "loss":
+            if val not in ("compiled", "triton"):
+                raise SystemExit(f"loss={val!r} in {spec!r}: compiled or triton")
+            out["loss"] = val
         elif key in ("autotune", "profile", "cdt", "cg"):
             out[key] = val not in ("0", "")
         elif key == "fwd":
@@ -401,16 +407,16 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
                 current = want
             chunk0, args.lm_head_chunk = args.lm_head_chunk, v["chunk"] or args.lm_head_chunk
-            args.profile_this, args.accum_this = v["profile"], v["accum"]
+            args.profile_this, args.accum_this, args.loss_kernel = v["profile"], v["accum"], v["loss"]
             try:
                 run_config(res, bench, key, v["R"], S, Q, k, args, baseline=False)
                 res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
                                                   autotune=v["autotune"], flex_kernel_options=v["flex"],
                                                   accum=v["accum"], coordinate_descent_tuning=v["cdt"],
-                                                  cuda_graphs=v["cg"])
+                                                  cuda_graphs=v["cg"], loss_kernel=v["loss"])
                 res.save()
             finally:
-                args.lm_head_chunk, args.profile_this, args.accum_this = chunk0, False, 1
+                args.lm_head_chunk, args.profile_this, args.accum_this, args.loss_kernel = chunk0, False, 1, "compiled"
 
 
 if __name__ == "__main__":

@@ -113,18 +113,40 @@ def _terms_fn(fused: bool):
     return _COMPILED["fn"]
 
 
+def _triton_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
+    """chunk_terms (KD off) by dflash.loss_kernel's one-pass-and-a-half kernel; g overwrites the logits."""
+    from dflash.loss_kernel import fused_ce_terms
+
+    ce_sum, preds, g = fused_ce_terms(logits, labels, weights)
+    return ce_sum, ce_sum.new_zeros(()), preds, g
+
+
+def _use_triton(kernel: str, use_kd: bool, device: torch.device) -> bool:
+    """kernel="triton" runs the Triton kernel where it can: KD off, triton importable, and a CUDA device
+    (or TRITON_INTERPRET=1, which runs it on the CPU for the tests); anywhere else, the usual path."""
+    if kernel not in ("compiled", "triton"):
+        raise ValueError(f"kernel must be 'compiled' or 'triton', got {kernel!r}")
+    if kernel != "triton" or use_kd:
+        return False
+    from dflash import loss_kernel
+
+    return loss_kernel.available() and (device.type == "cuda" or loss_kernel.interpret_mode())
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum_i w_i * (ce_i + kd_weight * kd_i) over rows of `hidden`, lm_head applied chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, fused):
+    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, fused,
+                kernel="compiled"):
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
         kd_sum = hidden.new_zeros((), dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         use_kd = kd_weight > 0 and topk_ids is not None
-        terms = _terms_fn(fused)
+        triton_on = _use_triton(kernel, use_kd, hidden.device)
+        terms = _triton_terms if triton_on else _terms_fn(fused)
         for i in range(0, n, chunk):
             h = hidden[i : i + chunk].to(head.dtype)
             logits = h @ head.t()  # [c, V]; the only full-vocabulary tensor alive
@@ -133,7 +155,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if use_kd:
                 ids = topk_ids[i : i + chunk]
                 p = torch.softmax(topk_logprobs[i : i + chunk].float() / float(temperature), dim=-1)
-            if fused:
+            if fused and not triton_on:
                 for t in (logits, y, w) + ((ids, p) if use_kd else ()):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             c_sum, k_sum, preds[i : i + chunk], g = terms(logits, y, w, ids, p, float(kd_weight), float(temperature))
@@ -148,7 +170,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _g_ce, _g_kd, _g_preds):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 9
+        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 10
 
 
 def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
@@ -199,6 +221,7 @@ def block_loss(
     chunk: int = 2048,
     label_index: torch.Tensor | None = None,
     fused: bool = False,
+    kernel: str = "compiled",
 ) -> LossOutput:
     """Loss and metrics of one micro-batch.
 
@@ -207,6 +230,9 @@ def block_loss(
     aligned with the labels.  `denom` normalises the loss (see the module docstring).  `label_index`
     (the flat positions whose label is not IGNORE, made on the CPU by the loader) saves the step a
     device-to-host sync; `fused` compiles the per-chunk softmax / gradient (see chunk_terms).
+    kernel="triton" replaces that per-chunk work, KD off and on CUDA, by one hand-written Triton kernel
+    (dflash.loss_kernel; the gradient overwrites the chunk's logits); "compiled" (the default), or
+    KD on, or no CUDA/triton, keeps the path `fused` selects.
     """
     R, Q, H = hidden.shape
     flat_labels = labels.reshape(-1)
@@ -222,7 +248,7 @@ def block_loss(
     # The head runs in its own dtype (bf16 on GPU) with fp32 softmax; autocast would only get in the way.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         total, ce_sum, kd_sum, preds = _ChunkedHeadLoss.apply(
-            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), bool(fused)
+            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), bool(fused), kernel
         )
     full_preds = torch.full((R * Q,), -1, dtype=torch.long, device=hidden.device)
     full_preds[sel] = preds
