@@ -146,12 +146,18 @@ def verify(store, quick):
 @click.option("--kd-weight", type=float, help="Weight of the KD term against the stored top-k.")
 @click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
+@click.option("--balance-steps/--no-balance-steps", default=None,
+              help="Order each epoch's micro-batches so that the processes of a step get ones of similar cost "
+                   "(default), or at random.")
 @click.option("--batch-slots/--no-batch-slots", default=None,
               help="Workers hand over context features in reusable shared, page-locked slots (default) or in a "
                    "fresh shared tensor per micro-batch that the DataLoader pins.")
 @click.option("--ddp-overlap/--no-ddp-overlap", default=None,
               help="DDP: all-reduce gradients during the backward (default) or after it.")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
+@click.option("--loss-kernel", type=click.Choice(["compiled", "triton"]),
+              help="The lm_head chunks' softmax and gradient: dflash's Triton kernel (default; CUDA and KD off, "
+                   "elsewhere it falls back to the compiled path) or torch.compile'd.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=None,
               help="Replay the compiled drafter's forward and backward as CUDA graphs (compile mode "
                    "reduce-overhead): fewer host launches per step, more GPU memory. Off by default.")

@@ -74,6 +74,7 @@ class TrainConfig:
     rows_per_batch: int = 1  # packed rows per micro-batch per process
     num_anchors: int = 64  # anchors per sample per epoch (upper bound)
     num_workers: int = 2  # DataLoader worker processes per training process
+    balance_steps: bool = True  # each step's micro-batches (one per process) of similar cost (loader._balanced_order)
     batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.batch_slots)
     seed: int = 0
     # loss
@@ -81,6 +82,9 @@ class TrainConfig:
     kd_weight: float = 0.0
     kd_temperature: float = 1.0
     lm_head_chunk: int = 2048  # block positions per lm_head + loss chunk
+    # the lm_head chunks' softmax / gradient: triton (dflash.loss_kernel, 2x the compiled kernel's speed on an
+    # H200; where it cannot run, KD on or no CUDA, it falls back to compiled) | compiled (torch.compile)
+    loss_kernel: str = "triton"
     # systems
     parallel: str = "ddp"  # ddp | fsdp
     ddp_overlap: bool = True  # DDP: all-reduce buckets during the backward (compile the wrapper); False: after it

@@ -30,6 +30,7 @@ from dflash.loss import IGNORE, position_weights
 TILE = masks.TILE
 _PLAN_WINDOW = 4096  # samples sorted together by length before packing ("length buckets")
 _OPEN_ROWS = 8  # rows kept open while packing a window (first-fit among them)
+BALANCE_GROUP = 16  # micro-batches of similar cost kept together in an epoch's order (see _balanced_order)
 
 
 def round_up(n: int, m: int = TILE) -> int:
@@ -105,6 +106,7 @@ class LoaderSpec:
     seed: int = 0
     num_shapes: int = 3
     kd: bool = False
+    balance: bool = True  # order micro-batches so that each step's are of similar cost (_balanced_order)
 
     @property
     def s_shapes(self) -> list[int]:
@@ -139,8 +141,33 @@ class EpochPlan:
         return g
 
 
+def batch_cost(batch: list[np.ndarray], ctx: np.ndarray, blk: np.ndarray, spec: LoaderSpec) -> tuple:
+    """What a micro-batch costs the GPU, as a sort key: its padded shapes (the drafter's work), then its
+    block tokens (the lm_head and loss run on label positions only, up to a quarter of a step)."""
+    S = fit_shape(max(int(ctx[r].sum()) for r in batch), spec.s_shapes)
+    Q = fit_shape(max(1, max(int(blk[r].sum()) for r in batch)), spec.q_shapes)
+    return S, Q, int(sum(blk[r].sum() for r in batch))
+
+
+def _balanced_order(batches: list, ctx: np.ndarray, blk: np.ndarray, spec: LoaderSpec, rng) -> np.ndarray:
+    """The epoch's micro-batch order: groups of BALANCE_GROUP neighbours by cost, in random group order.
+
+    A step takes consecutive micro-batches, one per process (and accumulation step), and lasts as long as
+    its slowest process; with a random order the ranks' block-token counts differ by up to 4x (1 to 4
+    samples in a row), and every rank waits for the heaviest.  Within a group the order is by cost, so
+    any world x accum that divides the group gets micro-batches of near-equal cost in each step.  The
+    order does not depend on the world size, so a run resumes on any number of processes."""
+    n = len(batches)
+    shuffled = rng.permutation(n)  # random tie-breaks among equal costs
+    keys = [batch_cost(batches[i], ctx, blk, spec) for i in shuffled]
+    by_cost = shuffled[sorted(range(n), key=keys.__getitem__)]
+    groups = [by_cost[i : i + BALANCE_GROUP] for i in range(0, n, BALANCE_GROUP)]
+    return np.concatenate([groups[i] for i in rng.permutation(len(groups))]) if n else by_cost
+
+
 def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, epoch: int) -> EpochPlan:
-    """Shuffle, sort windows by length, pack rows under both budgets, group rows, shuffle micro-batches."""
+    """Shuffle, sort windows by length, pack rows under both budgets, group rows, order micro-batches
+    (random groups of similar cost: _balanced_order)."""
     rng = np.random.default_rng([int(spec.seed), int(epoch), 0xB0C5])
     S = spec.s_shapes[-1]
     Qb = spec.q_shapes[-1]
@@ -167,7 +194,8 @@ def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, ep
         rows.extend(r[0] for r in open_rows)
     R = spec.rows_per_batch
     batches = [[np.asarray(r, dtype=np.int64) for r in rows[i : i + R]] for i in range(0, len(rows), R)]
-    batches = [batches[i] for i in rng.permutation(len(batches))]
+    order = _balanced_order(batches, ctx, blk, spec, rng) if spec.balance else rng.permutation(len(batches))
+    batches = [batches[i] for i in order]
     counts = np.array([sum(len(r) for r in b) for b in batches], dtype=np.int64)
     return EpochPlan(batches, np.concatenate([[0], np.cumsum(counts)]))
 

@@ -79,6 +79,7 @@ def _check_options(cfg: TrainConfig) -> None:
         (cfg.steps is not None or cfg.epochs > 0, "--epochs must be positive"),
         (cfg.parallel in ("ddp", "fsdp"), "--parallel must be ddp or fsdp"),
         (cfg.compile in ("auto", "on", "off"), "--compile must be auto, on or off"),
+        (cfg.loss_kernel in ("compiled", "triton"), "--loss-kernel must be compiled or triton"),
         (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),
         (cfg.warmup_steps >= 0 and 0 <= cfg.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1"),
         (not (cfg.resume and cfg.overwrite), "--resume and --overwrite contradict each other; pick one"),
@@ -235,6 +236,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
+        balance=cfg.balance_steps,
     )
     return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store)
 

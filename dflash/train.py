@@ -388,7 +388,7 @@ def _forward_backward(model, m: dict, embed, head, autocast, cfg: TrainConfig, d
     out = block_loss(hidden, head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
                      topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
                      kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
-                     label_index=m.get("label_index"), fused=fused)
+                     label_index=m.get("label_index"), fused=fused, kernel=cfg.loss_kernel)
     t2 = time.perf_counter()
     out.loss.backward()
     if clock is not None:

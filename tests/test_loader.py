@@ -93,6 +93,32 @@ def test_plan_packs_under_budget_and_is_deterministic():
         plan.batch_at_samples(int(plan.samples_before[g]) + 1)
 
 
+def test_plan_orders_micro_batches_so_each_step_is_balanced():
+    """A step lasts as long as its slowest process: consecutive micro-batches (one per rank) should cost
+    about the same.  Against a random order of the same micro-batches, the spread of block tokens within
+    the steps of 2 and 4 processes must be much smaller, and the order must still vary by epoch."""
+    rng = np.random.default_rng(1)
+    n = 3000
+    lengths = np.clip(rng.lognormal(np.log(60), 0.6, n), 5, 400).astype(int)
+    max_blocks = np.full(n, 4)
+    spec = _spec()
+    plan = L.plan_epoch(lengths, max_blocks, spec, epoch=0)
+    ctx, blk = np.minimum(lengths, spec.s_shapes[-1]), max_blocks * spec.block_size
+    cost = np.array([L.batch_cost(b, ctx, blk, spec)[2] for b in plan.batches], dtype=float)
+    assert len(cost) > 64 and cost.max() > 1.5 * cost.min()  # the micro-batches do differ
+
+    def spread(c, world):
+        m = len(c) // world * world
+        steps = c[:m].reshape(-1, world)
+        return float(np.mean((steps.max(1) - steps.min(1)) / steps.max(1)))
+
+    shuffled = cost[rng.permutation(len(cost))]
+    for world in (2, 4):
+        assert spread(cost, world) < spread(shuffled, world) / 3
+    other = L.plan_epoch(lengths, max_blocks, spec, epoch=1)
+    assert [r.tolist() for r in other.batches[0]] != [r.tolist() for r in plan.batches[0]]
+
+
 class _FakePlans:
     def __init__(self, sizes):
         self.sizes = sizes
