@@ -37,7 +37,7 @@ from precompute_workload import (TOPK, background_writer, batches_of, build_targ
                                  capture_before_class, dir_bytes, make_store, sequences)
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 io2 serial")
+              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 two_gpus_capture io2 serial")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
@@ -130,8 +130,10 @@ def disk_write(path: Path, nbytes: int) -> dict:
             "what": "numpy buffer -> file.write in 256 MB blocks, then fsync (page cache + disk)"}
 
 
-def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, hidden_dtype: str = "bf16") -> None:
-    """One of the two simultaneous shard processes: its own GPU, its own shard, half of the samples."""
+def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, hidden_dtype: str = "bf16",
+                write: bool = True) -> None:
+    """One of the two simultaneous shard processes: its own GPU, its own shard, half of the samples; with
+    write=False it captures only (nothing copied out or written), to tell the writes' share of any slowdown."""
     try:
         from dflash.target import Capture
 
@@ -150,12 +152,24 @@ def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, 
         capture(batches[0][1].to(device), batches[0][2])  # warm-up (lengths stay on the host)
         sync(device)
         init_s = time.perf_counter() - t
+        hostgc.freeze()  # as run_shard does after its first batch (the one-GPU write passes do the same)
         barrier.wait()
         t0 = time.time()
         pstats = {}
-        dt = capture_and_write(capture, batches, Path(store), rank, tiny, device, hidden_dtype, stats=pstats)
-        queue.put({"rank": rank, "tokens": sum(len(s.input_ids) for s in mine), "t0": t0, "t1": time.time(),
-                   "wall_s": dt, "init_s": init_s, "device": device, **pstats})
+        ntok = sum(len(s.input_ids) for s in mine)
+        with hostgc.GcTimer() as gct:
+            if write:
+                dt = capture_and_write(capture, batches, Path(store), rank, tiny, device, hidden_dtype, stats=pstats)
+            else:
+                t = time.perf_counter()
+                for _, ids, lengths in batches:
+                    capture(ids.to(device), lengths)
+                sync(device)
+                dt = time.perf_counter() - t
+        if pstats.get("drain_s") is not None:
+            pstats["tokens_per_s_without_drain"] = ntok / max(dt - pstats["drain_s"], 1e-9)
+        queue.put({"rank": rank, "tokens": ntok, "t0": t0, "t1": time.time(), "wall_s": dt, "init_s": init_s,
+                   "device": device, "tokens_per_s": ntok / dt, "gc_s": gct.total_s, **pstats})
     except Exception as e:  # noqa: BLE001
         import traceback
 
@@ -163,7 +177,8 @@ def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, 
 
 
 def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | None, timeout: float,
-                  hidden_dtype: str = "bf16", key: str = "two_gpus") -> None:
+                  hidden_dtype: str = "bf16", key: str = "two_gpus", write: bool = True,
+                  one_gpu_rate_without_drain: float | None = None) -> None:
     import torch.multiprocessing as mp
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
@@ -173,7 +188,8 @@ def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | N
     make_store(store, tiny, hidden_dtype, 2)
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(2), ctx.SimpleQueue()
-    procs = [ctx.Process(target=_shard_proc, args=(r, tiny, tokens, str(store), barrier, queue, hidden_dtype)) for r in range(2)]
+    procs = [ctx.Process(target=_shard_proc, args=(r, tiny, tokens, str(store), barrier, queue, hidden_dtype, write))
+             for r in range(2)]
     for p in procs:
         p.start()
     out, deadline = [], time.time() + timeout
@@ -199,7 +215,17 @@ def two_processes(res: Results, tiny: bool, tokens: int, one_gpu_rate: float | N
         # The one-GPU passes time capture + writes only (the writer process starts, ~5 s, before that span);
         # the same span here: from the first process's timed start (t1 - its wall_s) to the last end.
         timed = max(o["t1"] for o in out) - min(o["t1"] - o["wall_s"] for o in out)
+        # Each process's own rate (its tokens over its own timed span) against one GPU alone: what the
+        # second process costs the first, apart from start-up skew between them.
+        own = sum(o["tokens_per_s"] for o in out)
+        extra = {"sum_of_process_rates": round(own),
+                 "scaling_sum_of_process_rates": round(own / one_gpu_rate, 3) if one_gpu_rate else None}
+        if write and one_gpu_rate_without_drain and all("tokens_per_s_without_drain" in o for o in out):
+            nd = sum(o["tokens_per_s_without_drain"] for o in out)
+            extra.update(sum_of_process_rates_without_drain=round(nd),
+                         scaling_without_drain=round(nd / one_gpu_rate_without_drain, 3))
         res.set(key, {
+            **extra, "writes": write,
             "hidden_dtype": hidden_dtype, "tokens": total, "wall_s": round(span, 2), "tokens_per_s": round(rate),
             "per_process": [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in o.items() if k not in ("t0", "t1")}
                             for o in sorted(out, key=lambda o: o["rank"])],
@@ -395,7 +421,7 @@ def main() -> None:
             gb = args.disk_gb if args.disk_gb is not None else (0.25 if tiny else 2.0)
             res.set("disk", disk_write(work_dir() / "disk_probe.bin", int(gb * 1e9)))
     # Two shard processes next (this process's model stays on GPU 0 beside theirs: 2 x 16 GB fits).
-    for hd in ("bf16", "fp8"):
+    for hd in ("bf16", "fp8", "capture"):
         key = "two_gpus" if hd == "bf16" else f"two_gpus_{hd}"
         if key not in passes:
             continue
@@ -404,7 +430,12 @@ def main() -> None:
             res.set(key, {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"})
             continue
         with res.guard(key):
-            two_processes(res, tiny, tokens, rates.get(f"write_{hd}"), timeout=left, hidden_dtype=hd, key=key)
+            if hd == "capture":  # both capture only: against the one-GPU capture pass
+                two_processes(res, tiny, tokens, rates.get("capture"), timeout=left, key=key, write=False)
+            else:
+                solo = res.data.get(f"write_{hd}") if isinstance(res.data.get(f"write_{hd}"), dict) else {}
+                two_processes(res, tiny, tokens, rates.get(f"write_{hd}"), timeout=left, hidden_dtype=hd, key=key,
+                              one_gpu_rate_without_drain=solo.get("tokens_per_s_without_drain"))
     if "io2" in passes:
         write_pass("bf16", io_threads=2)
     if "serial" in passes and not args.no_serial:
