@@ -158,9 +158,6 @@ def verify(store, quick):
 @click.option("--loss-kernel", type=click.Choice(["compiled", "triton"]),
               help="The lm_head chunks' softmax and gradient: dflash's Triton kernel (default; CUDA and KD off, "
                    "elsewhere it falls back to the compiled path) or torch.compile'd.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=None,
-              help="Replay the compiled drafter's forward and backward as CUDA graphs (compile mode "
-                   "reduce-overhead): fewer host launches per step, more GPU memory. Off by default.")
 @click.option("--gc-every", type=int,
               help="Collect Python garbage every N steps instead of at random ones (default 50; 0 = Python's automatic GC).")
 @click.option("--profile-steps", type=int,

@@ -89,7 +89,6 @@ class TrainConfig:
     parallel: str = "ddp"  # ddp | fsdp
     ddp_overlap: bool = True  # DDP: all-reduce buckets during the backward (compile the wrapper); False: after it
     compile: str = "auto"  # auto (on for CUDA) | on | off
-    cuda_graphs: bool = False  # compiled drafter replayed as CUDA graphs (torch.compile mode reduce-overhead)
     precision: str = "auto"  # auto (bf16 autocast on CUDA) | bf16 | fp32
     # bookkeeping
     save_every: int = 0  # 0 = only at the end

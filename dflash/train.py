@@ -89,10 +89,9 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
         # the drafter is compiled whole (one graph each way, as on one GPU) and DDP gets every gradient at
         # once, after the backward: the all-reduce is exposed, but no NCCL kernel shares the SMs with the
         # backward or waits there for a slower rank.  docs/BENCHMARKS.md has the A/B.
-        # cuda_graphs: each compiled graph (forward and backward; one per DDP bucket with ddp_overlap) is
-        # recorded once and then replayed as a CUDA graph, one launch instead of hundreds of kernels.
-        mode = "reduce-overhead" if cfg.cuda_graphs else None
-        (ddp if ddp is not None and cfg.ddp_overlap else raw).compile(dynamic=False, mode=mode)
+        # Not mode="reduce-overhead" (CUDA graphs): with it the compiled backward re-recorded its graph in
+        # every step, 23% (1 GPU) and 48% (2 GPUs) slower on an H200; the GPU is ~97% busy without it.
+        (ddp if ddp is not None and cfg.ddp_overlap else raw).compile(dynamic=False)
     return (ddp or raw), raw, ddp
 
 
@@ -281,10 +280,6 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
             sync = ddp.no_sync() if ddp is not None and not last_micro else nullcontext()
             if fsdp:
                 raw.set_requires_gradient_sync(last_micro)
-            if cfg.cuda_graphs and compiled:
-                # A new iteration for the CUDA-graph trees: the previous micro-batch's graph outputs are
-                # dead (its backward ran), so their memory may be reused by this replay.
-                torch.compiler.cudagraph_mark_step_begin()
             with sync:
                 out = _forward_backward(model, m, embed, head, autocast, cfg, denom=denom / world, fused=compiled,
                                         clock=host)
