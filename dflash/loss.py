@@ -133,6 +133,19 @@ def _use_triton(kernel: str, use_kd: bool, device: torch.device) -> bool:
     return loss_kernel.available() and (device.type == "cuda" or loss_kernel.interpret_mode())
 
 
+def loss_kernel_note(kernel: str, use_kd: bool, device: torch.device) -> str:
+    """Which per-chunk kernel a run gets, and why not the Triton one when it asked for it (for the banner:
+    the fallback is otherwise silent)."""
+    if _use_triton(kernel, use_kd, device):
+        return "triton"
+    if kernel != "triton":
+        return "torch"
+    from dflash import loss_kernel
+
+    why = "KD is on" if use_kd else "triton is not installed" if not loss_kernel.available() else "no CUDA device"
+    return f"torch (--loss-kernel triton falls back: {why})"
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum_i w_i * (ce_i + kd_weight * kd_i) over rows of `hidden`, lm_head applied chunk by chunk."""
 
@@ -284,4 +297,4 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
 
 
 __all__ = ["IGNORE", "chunk_terms", "chunk_terms_eager", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
-           "reference_block_loss"]
+           "loss_kernel_note", "reference_block_loss"]

@@ -58,7 +58,8 @@ def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device,
 class RunLogger:
     """Rank 0's outputs: metrics.jsonl, TensorBoard, the tqdm bar and the final metrics.json."""
 
-    def __init__(self, cfg: TrainConfig, setup: Setup, rank: int, world: int, start_step: int, total: int):
+    def __init__(self, cfg: TrainConfig, setup: Setup, rank: int, world: int, start_step: int, total: int,
+                 loss_kernel: str = "torch"):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
@@ -73,7 +74,7 @@ class RunLogger:
         self.bar.write(
             f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
-            f"Q {setup.spec.q_shapes}"
+            f"Q {setup.spec.q_shapes}, loss kernel {loss_kernel}"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
             + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
                f"= {cfg.num_workers} workers + 3 x {cfg.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "

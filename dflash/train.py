@@ -29,7 +29,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.feeder import DeviceFeeder
 from dflash.hostgc import StepGC
-from dflash.loss import block_loss
+from dflash.loss import block_loss, loss_kernel_note
 from dflash.metrics import RunLogger, StepProfiler, step_record
 from dflash.preflight import Setup, prepare_run_dir, preflight
 
@@ -215,7 +215,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
 
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                 if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
-    logger = RunLogger(cfg, setup, rank, world, step, total) if rank == 0 else None
+    logger = (RunLogger(cfg, setup, rank, world, step, total,
+                        loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, device)) if rank == 0 else None)
     # Compilations are expected the first time each (S, Q) shape pair appears (a short list, see
     # loader.shape_set); any other compilation is a recompile, and should stay at zero.
     compiles0, shapes_seen, recompiles = _compile_count(), set(), 0

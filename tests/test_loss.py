@@ -115,3 +115,18 @@ def test_eager_and_fusible_chunk_terms_agree(kd_weight):
     b = chunk_terms_eager(logits, labels, w, ids, p, kd_weight, 2.0)
     for x, y in zip(a, b):
         assert torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_loss_kernel_note_says_which_kernel_runs_and_why_not_triton():
+    """The banner's account of the per-chunk kernel: the Triton kernel falls back silently otherwise."""
+    from dflash import loss_kernel
+    from dflash.loss import loss_kernel_note
+
+    cpu = torch.device("cpu")
+    assert loss_kernel_note("compiled", False, cpu) == "torch"
+    assert loss_kernel_note("triton", True, cpu).endswith("falls back: KD is on)")
+    expected = "no CUDA device" if loss_kernel.available() else "triton is not installed"
+    if not loss_kernel.interpret_mode():
+        assert loss_kernel_note("triton", False, cpu).endswith(f"falls back: {expected})")
+    with pytest.raises(ValueError, match="compiled' or 'triton"):
+        loss_kernel_note("fast", False, cpu)
