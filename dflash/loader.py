@@ -30,7 +30,6 @@ from dflash.loss import IGNORE, position_weights
 TILE = masks.TILE
 _PLAN_WINDOW = 4096  # samples sorted together by length before packing ("length buckets")
 _OPEN_ROWS = 8  # rows kept open while packing a window (first-fit among them)
-BALANCE_GROUP = 16  # micro-batches of similar cost kept together in an epoch's order (see _balanced_order)
 
 
 def round_up(n: int, m: int = TILE) -> int:
@@ -106,7 +105,7 @@ class LoaderSpec:
     seed: int = 0
     num_shapes: int = 3
     kd: bool = False
-    balance: bool = True  # order micro-batches so that each step's are of similar cost (_balanced_order)
+    balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
 
     @property
     def s_shapes(self) -> list[int]:
@@ -150,24 +149,30 @@ def batch_cost(batch: list[np.ndarray], ctx: np.ndarray, blk: np.ndarray, spec: 
 
 
 def _balanced_order(batches: list, ctx: np.ndarray, blk: np.ndarray, spec: LoaderSpec, rng) -> np.ndarray:
-    """The epoch's micro-batch order: groups of BALANCE_GROUP neighbours by cost, in random group order.
+    """The epoch's micro-batch order.  Random when spec.balance_group is 1.  Otherwise each run of
+    `balance_group` micro-batches (one optimizer step: processes x accumulation) is made of neighbours by
+    cost, in random order inside the step, and the steps come in random order.
 
-    A step takes consecutive micro-batches, one per process (and accumulation step), and lasts as long as
-    its slowest process; with a random order the ranks' block-token counts differ by up to 4x (1 to 4
-    samples in a row), and every rank waits for the heaviest.  Within a group the order is by cost, so
-    any world x accum that divides the group gets micro-batches of near-equal cost in each step.  The
-    order does not depend on the world size, so a run resumes on any number of processes."""
-    n = len(batches)
-    shuffled = rng.permutation(n)  # random tie-breaks among equal costs
-    keys = [batch_cost(batches[i], ctx, blk, spec) for i in shuffled]
+    A step lasts as long as its slowest process; with a random order the ranks' block-token counts differ
+    by up to 4x (1 to 4 samples in a row), and every rank waits for the heaviest.  The steps themselves
+    stay in random order: grouping whole runs of steps by cost (an earlier version) put steps of similar
+    sample lengths back to back and cost the embedded default 10% of its held-out tau.  The leftover
+    n % balance_group micro-batches, the cheapest, come last, where the sampler leaves an epoch's tail out."""
+    n, G = len(batches), max(1, int(spec.balance_group))
+    shuffled = rng.permutation(n)
+    if G == 1:
+        return shuffled
+    keys = [batch_cost(batches[i], ctx, blk, spec) for i in shuffled]  # ties broken by the shuffle
     by_cost = shuffled[sorted(range(n), key=keys.__getitem__)]
-    groups = [by_cost[i : i + BALANCE_GROUP] for i in range(0, n, BALANCE_GROUP)]
-    return np.concatenate([groups[i] for i in rng.permutation(len(groups))]) if n else by_cost
+    tail, body = by_cost[: n % G], by_cost[n % G :]
+    steps = body.reshape(-1, G)[rng.permutation(len(body) // G)]
+    steps = np.stack([s[rng.permutation(G)] for s in steps]) if len(steps) else steps
+    return np.concatenate([steps.reshape(-1), tail])
 
 
 def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, epoch: int) -> EpochPlan:
     """Shuffle, sort windows by length, pack rows under both budgets, group rows, order micro-batches
-    (random groups of similar cost: _balanced_order)."""
+    (at random, each step's of similar cost: _balanced_order)."""
     rng = np.random.default_rng([int(spec.seed), int(epoch), 0xB0C5])
     S = spec.s_shapes[-1]
     Qb = spec.q_shapes[-1]
@@ -194,8 +199,7 @@ def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, ep
         rows.extend(r[0] for r in open_rows)
     R = spec.rows_per_batch
     batches = [[np.asarray(r, dtype=np.int64) for r in rows[i : i + R]] for i in range(0, len(rows), R)]
-    order = _balanced_order(batches, ctx, blk, spec, rng) if spec.balance else rng.permutation(len(batches))
-    batches = [batches[i] for i in order]
+    batches = [batches[i] for i in _balanced_order(batches, ctx, blk, spec, rng)]
     counts = np.array([sum(len(r) for r in b) for b in batches], dtype=np.int64)
     return EpochPlan(batches, np.concatenate([[0], np.cumsum(counts)]))
 

@@ -236,7 +236,6 @@ def preflight(cfg: TrainConfig) -> Setup:
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
-        balance=cfg.balance_steps,
     )
     return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store)
 

@@ -12,6 +12,7 @@ RNG states go into every checkpoint; the data plan is a function of (seed, epoch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -187,6 +188,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     optimizer = _optimizer(raw, cfg, device)
     embed, head = setup.embed_and_head(device)
     step, epoch, samples_done = 0, 0, 0
+    # Micro-batches balanced per optimizer step (loader._balanced_order): the plan groups this many.
+    balance_group = world * cfg.grad_accum if cfg.balance_steps else 1
     if resume_from is not None:
         model_state, drafter_cfg, train_state, _ = ckpt.load_checkpoint(resume_from)
         if drafter_cfg != setup.drafter_config.to_hf_dict():
@@ -197,12 +200,15 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
         _load_state(raw, optimizer, model_state, train_state["optimizer"])
         step = int(train_state["step"])
         epoch, samples_done = int(train_state["data"]["epoch"]), int(train_state["data"]["samples_consumed"])
+        # The data position is a place in the checkpoint's plan, so its grouping stays, on any number of
+        # processes (checkpoints from before balancing have none: a random order).
+        balance_group = int(train_state["data"].get("balance_group", 1))
         torch.set_rng_state(train_state["rng"]["cpu"])
         if device.type == "cuda" and "cuda" in train_state["rng"]:
             torch.cuda.set_rng_state(train_state["rng"]["cuda"])
         del model_state, train_state
 
-    dataset = L.PackedDataset(setup.store, setup.spec)
+    dataset = L.PackedDataset(setup.store, dataclasses.replace(setup.spec, balance_group=balance_group))
     total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(dataset, world, cfg.grad_accum)))
     start_batch = dataset.plan(epoch).batch_at_samples(samples_done)
     sampler = L.RankSampler(dataset, rank, world, cfg.grad_accum, epoch, start_batch, max(0, total - step))
@@ -336,8 +342,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
             finish(pending, _offline_eval(setup, raw, embed, head, rank) if evaluate else None)
             pending = None
         if save:
-            _save(run, setup, raw, optimizer, step, {"epoch": epoch, "samples_consumed": samples_done},
-                  rank, world, device)
+            _save(run, setup, raw, optimizer, step,
+                  {"epoch": epoch, "samples_consumed": samples_done, "balance_group": balance_group}, rank, world,
+                  device)
             step_gc.full()
     profiler.close()
     if pending is not None:

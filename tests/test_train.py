@@ -138,13 +138,15 @@ def test_two_processes_equal_one_with_accumulation(two_process_run, counting, tm
 
 
 def test_resume_two_process_run_on_one_process(two_process_run, counting, tmp_path):
+    """Without accumulation here, a fresh run would plan its epochs for steps of 1 micro-batch; the resumed
+    run keeps the checkpoint's plan (balanced for steps of 2), in which its data position lies."""
     import shutil
 
     cfg2, _ = two_process_run
     run = tmp_path / "run"
     shutil.copytree(cfg2.out, run)
     target, store = counting
-    cfg = _cfg(target, store, run, steps=6, resume=True, grad_accum=2)
+    cfg = _cfg(target, store, run, steps=6, resume=True)
     launch_train(cfg)
     recs = _metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
@@ -153,6 +155,7 @@ def test_resume_two_process_run_on_one_process(two_process_run, counting, tmp_pa
     # the position moved on by exactly the samples of steps 5 and 6
     before = torch.load(Path(cfg2.out) / "checkpoints/step-00000004/train_state.pt", weights_only=True)
     moved = state["data"]["samples_consumed"] - before["data"]["samples_consumed"]
+    assert before["data"]["balance_group"] == 2 and state["data"]["balance_group"] == 2
     assert state["data"]["epoch"] != before["data"]["epoch"] or moved == recs[4]["samples"] + recs[5]["samples"]
 
 
