@@ -1,17 +1,11 @@
-"""From the store to packed training micro-batches: buckets, packing, anchors, labels, mask metadata.
+"""From the store to packed training micro-batches: anchors, labels, mask metadata, per the epoch's plan.
 
-An epoch's *plan* is a list of micro-batches (each `rows_per_batch` packed rows, each row a few samples
-of similar length) and depends on (seed, epoch) and the store index only, not on the number of
-processes.  Processes split it round-robin: optimizer step `s` of an epoch consumes micro-batches
-`[s*W*A, (s+1)*W*A)` (W processes, A accumulation steps), so the data position after any step is a
-prefix of the plan and can be stored as "samples consumed in this epoch" and resumed on any W.
+An epoch's *plan* (`dflash.plan`: packing and order) is a list of micro-batches, each `rows_per_batch`
+packed rows of a few samples of similar length; processes split it round-robin, step by step.
 
 The heavy part of a micro-batch (reading hidden states, drawing anchors, building labels, the
 closed-form block-sparse mask metadata of `dflash.masks`) runs in DataLoader worker processes; the
 training process only turns the metadata into a BlockMask (masks.to_block_mask).
-
-Shapes: the context stream S and block stream Q of a micro-batch are padded to the smallest entry of a
-short list of multiples of 128 (`shape_set`), so a compiled drafter sees a handful of shapes in total.
 """
 
 from __future__ import annotations
@@ -26,26 +20,9 @@ import torch
 from dflash import masks
 from dflash.errors import DataError
 from dflash.loss import IGNORE, position_weights
+from dflash.plan import EpochPlan, batch_cost, fit_shape, plan_epoch, round_up, shape_set  # (re-exported below)
 
 TILE = masks.TILE
-_PLAN_WINDOW = 4096  # samples sorted together by length before packing ("length buckets")
-_OPEN_ROWS = 8  # rows kept open while packing a window (first-fit among them)
-
-
-def round_up(n: int, m: int = TILE) -> int:
-    return max(m, -(-int(n) // m) * m)
-
-
-def shape_set(budget: int, count: int = 3) -> list[int]:
-    """A short ascending list of multiples of 128 up to round_up(budget): budget, budget/2, budget/4..."""
-    return sorted({round_up(budget / 2**i) for i in range(max(1, count))})
-
-
-def fit_shape(n: int, shapes: list[int]) -> int:
-    for s in shapes:
-        if n <= s:
-            return s
-    raise ValueError(f"{n} tokens exceed the largest shape {shapes[-1]}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,90 +95,6 @@ class LoaderSpec:
     @property
     def max_blocks(self) -> int:
         return min(self.num_anchors, round_up(self.block_budget) // self.block_size)
-
-
-@dataclasses.dataclass
-class EpochPlan:
-    batches: list[list[np.ndarray]]  # micro-batch -> rows -> sample indices (positions in sample_ids)
-    samples_before: np.ndarray  # [len(batches) + 1]: samples in micro-batches [0, g)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def batch_at_samples(self, samples: int) -> int:
-        """The micro-batch index where a prefix of `samples` samples ends (a resume point)."""
-        g = int(np.searchsorted(self.samples_before, samples))
-        if g >= len(self.samples_before) or self.samples_before[g] != samples:
-            raise DataError(
-                f"the saved data position ({samples} samples into the epoch) is not a micro-batch boundary "
-                "of this epoch's plan: the store or the data options (token budget, rows per batch, seed, "
-                "block size, anchors) changed since the checkpoint; resume with the original settings."
-            )
-        return g
-
-
-def batch_cost(batch: list[np.ndarray], ctx: np.ndarray, blk: np.ndarray, spec: LoaderSpec) -> tuple:
-    """What a micro-batch costs the GPU, as a sort key: its padded shapes (the drafter's work), then its
-    block tokens (the lm_head and loss run on label positions only, up to a quarter of a step)."""
-    S = fit_shape(max(int(ctx[r].sum()) for r in batch), spec.s_shapes)
-    Q = fit_shape(max(1, max(int(blk[r].sum()) for r in batch)), spec.q_shapes)
-    return S, Q, int(sum(blk[r].sum() for r in batch))
-
-
-def _balanced_order(batches: list, ctx: np.ndarray, blk: np.ndarray, spec: LoaderSpec, rng) -> np.ndarray:
-    """The epoch's micro-batch order.  Random when spec.balance_group is 1.  Otherwise each run of
-    `balance_group` micro-batches (one optimizer step: processes x accumulation) is made of neighbours by
-    cost, in random order inside the step, and the steps come in random order.
-
-    A step lasts as long as its slowest process; with a random order the ranks' block-token counts differ
-    by up to 4x (1 to 4 samples in a row), and every rank waits for the heaviest.  The steps themselves
-    stay in random order: grouping whole runs of steps by cost (an earlier version) put steps of similar
-    sample lengths back to back and cost the embedded default 10% of its held-out tau.  The leftover
-    n % balance_group micro-batches, the cheapest, come last, where the sampler leaves an epoch's tail out."""
-    n, G = len(batches), max(1, int(spec.balance_group))
-    shuffled = rng.permutation(n)
-    if G == 1:
-        return shuffled
-    keys = [batch_cost(batches[i], ctx, blk, spec) for i in shuffled]  # ties broken by the shuffle
-    by_cost = shuffled[sorted(range(n), key=keys.__getitem__)]
-    tail, body = by_cost[: n % G], by_cost[n % G :]
-    steps = body.reshape(-1, G)[rng.permutation(len(body) // G)]
-    steps = np.stack([s[rng.permutation(G)] for s in steps]) if len(steps) else steps
-    return np.concatenate([steps.reshape(-1), tail])
-
-
-def plan_epoch(lengths: np.ndarray, max_blocks: np.ndarray, spec: LoaderSpec, epoch: int) -> EpochPlan:
-    """Shuffle, sort windows by length, pack rows under both budgets, group rows, order micro-batches
-    (at random, each step's of similar cost: _balanced_order)."""
-    rng = np.random.default_rng([int(spec.seed), int(epoch), 0xB0C5])
-    S = spec.s_shapes[-1]
-    Qb = spec.q_shapes[-1]
-    ctx = np.minimum(lengths, S)
-    blk = max_blocks * spec.block_size
-    order = rng.permutation(np.flatnonzero(max_blocks > 0))
-    rows: list[list[int]] = []
-    for w0 in range(0, len(order), _PLAN_WINDOW):
-        window = order[w0 : w0 + _PLAN_WINDOW]
-        window = window[np.argsort(-ctx[window], kind="stable")]
-        open_rows: list[list] = []  # [samples, ctx used, blocks used]
-        for i in window:
-            c, b = int(ctx[i]), int(blk[i])
-            for r in open_rows:
-                if r[1] + c <= S and r[2] + b <= Qb:
-                    r[0].append(int(i))
-                    r[1] += c
-                    r[2] += b
-                    break
-            else:
-                if len(open_rows) == _OPEN_ROWS:
-                    rows.append(open_rows.pop(0)[0])
-                open_rows.append([[int(i)], c, b])
-        rows.extend(r[0] for r in open_rows)
-    R = spec.rows_per_batch
-    batches = [[np.asarray(r, dtype=np.int64) for r in rows[i : i + R]] for i in range(0, len(rows), R)]
-    batches = [batches[i] for i in _balanced_order(batches, ctx, blk, spec, rng)]
-    counts = np.array([sum(len(r) for r in b) for b in batches], dtype=np.int64)
-    return EpochPlan(batches, np.concatenate([[0], np.cumsum(counts)]))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -439,6 +332,8 @@ __all__ = [
     "draw_anchors",
     "block_targets",
     "plan_epoch",
+    "batch_cost",
+    "round_up",
     "steps_per_epoch",
     "make_loader",
 ]
