@@ -74,7 +74,7 @@ class TrainConfig:
     rows_per_batch: int = 1  # packed rows per micro-batch per process
     num_anchors: int = 64  # anchors per sample per epoch (upper bound)
     num_workers: int = 2  # DataLoader worker processes per training process
-    balance_steps: bool = True  # each step's micro-batches (one per process) of similar cost (loader._balanced_order)
+    balance_steps: bool = True  # each step's micro-batches (one per process) of similar cost (plan._balanced_order)
     batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.batch_slots)
     seed: int = 0
     # loss

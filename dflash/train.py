@@ -5,9 +5,10 @@ every epoch (dflash.loader); the loss of an optimizer step is normalised by the 
 weights of that step (one all-reduce of a scalar before the backward passes), so W processes x A
 accumulation steps give the gradient of one batch of W*A micro-batches, whatever W and A are.
 
-Exact resume: model and optimizer state, the step, the data position (epoch, samples consumed) and the
-RNG states go into every checkpoint; the data plan is a function of (seed, epoch), anchors of
-(seed, epoch, sample id), so a resumed run sees the very batches the uninterrupted run would have.
+Exact resume: model and optimizer state, the step, the data position (epoch, samples consumed, the
+plan's balance group) and the RNG states go into every checkpoint; the data plan is a function of (seed,
+epoch, balance group), anchors of (seed, epoch, sample id), so a resumed run sees the very batches the
+uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, step_g
     optimizer = _optimizer(raw, cfg, device)
     embed, head = setup.embed_and_head(device)
     step, epoch, samples_done = 0, 0, 0
-    # Micro-batches balanced per optimizer step (loader._balanced_order): the plan groups this many.
+    # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
     balance_group = world * cfg.grad_accum if cfg.balance_steps else 1
     if resume_from is not None:
         model_state, drafter_cfg, train_state, _ = ckpt.load_checkpoint(resume_from)
