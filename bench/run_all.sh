@@ -7,7 +7,8 @@
 #   BENCH_TINY=1 OUT=/tmp/benchout bash bench/run_all.sh    # CPU smoke run of the same code, tiny shapes
 #
 # BENCH_PARTS (default: the first four) picks parts, e.g. BENCH_PARTS="train_step train_scaling"; precompute_32b
-# (a Qwen3-32B-shaped target) and comm (NCCL all-reduce of one step's gradients, GPU topology) run only when named;
+# (a Qwen3-32B-shaped target), comm (NCCL all-reduce of one step's gradients, GPU topology) and balance (each
+# micro-batch of an epoch timed on one GPU, the 2-process steps of each order replayed) run only when named;
 # BENCH_BUDGET_S (default 560: the device tool allows 600 s a command) bounds the whole run; BENCH_WORK (default /tmp/dflash_bench) holds the
 # scratch stores and runs and is deleted at the end.
 set -u
@@ -43,6 +44,7 @@ part() {  # part NAME CAP_SECONDS script args...   (BENCH_CAP_<NAME> overrides t
   part train_scaling 250 bench/loader_bench.py --part scaling
   part loader 95 bench/loader_bench.py --part loader
   part comm 60 bench/comm_probe.py
+  part balance 200 bench/balance_probe.py
   part precompute_32b 200 bench/precompute_bench.py --shape qwen3-32b --name precompute_32b \
     --tokens "${BENCH_32B_TOKENS:-100000}" --passes "${BENCH_32B_PASSES:-forward forward_full capture capture_before write_bf16}"
   "$PY" bench/common.py summarize
