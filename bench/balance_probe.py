@@ -111,7 +111,6 @@ def main() -> None:
         plan = ds.plan(epoch)
         keyed = [(epoch, tuple(tuple(int(i) for i in r) for r in b)) for b in plan.batches]
         landed = P.plan_epoch(ds.lengths, ds.max_blocks, L.LoaderSpec(**{**spec.__dict__, "balance_group": 2}), epoch)
-        by_key = {k: g for g, k in enumerate(keyed)}
         landed_keys = [(epoch, tuple(tuple(int(i) for i in r) for r in b)) for b in landed.batches]
         if sorted(landed_keys) != sorted(keyed):
             raise SystemExit(f"epoch {epoch}: the balanced plan holds other micro-batches than the random one")
