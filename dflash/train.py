@@ -26,6 +26,7 @@ import torch.distributed as dist
 from dflash import checkpoint as ckpt
 from dflash import loader as L
 from dflash import masks
+from dflash import parallel
 from dflash.batch_slots import BatchSlots, default_num_slots
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
@@ -64,23 +65,7 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
 
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
     raw = DFlashDrafter(setup.drafter_config).to(device)
-    ddp = None
-    if world > 1 and cfg.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        # One FSDP group for the whole drafter: each layer's context K/V projection is called from the
-        # drafter's forward (outside the layer's own forward), so per-layer groups would not be gathered
-        # in time. Drafters are a few layers; one all-gather per step is cheap.
-        fully_shard(raw)
-    elif world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # 256 MB buckets: a few per layer, so the all-reduce overlaps the backward in ~20 pieces
-        # (DDP's 25 MB default would cut the compiled backward into one graph per weight matrix).
-        # broadcast_buffers=False: the only buffer is RoPE's inv_freq, a function of the config; DDP's
-        # default would broadcast it from rank 0 at every forward (a collective in front of each step).
-        ddp = DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=256,
-                  gradient_as_bucket_view=True, broadcast_buffers=False)
+    ddp = parallel.wrap(raw, cfg.parallel, cfg.grad_reduce_dtype, device, world)
     if _compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; shapes come from a
         # short list (loader.shape_set) and each (S, Q) pair compiles once.
