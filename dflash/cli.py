@@ -154,9 +154,6 @@ def verify(store, quick):
                    "fresh shared tensor per micro-batch that the DataLoader pins.")
 @click.option("--ddp-overlap/--no-ddp-overlap", default=None,
               help="DDP: all-reduce gradients during the backward (default) or after it.")
-@click.option("--grad-reduce-dtype", type=click.Choice(["fp32", "bf16"]),
-              help="Several processes: all-reduce gradients in fp32 (default) or bf16 (half the bytes; they are "
-                   "still kept and applied in fp32).")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
 @click.option("--loss-kernel", type=click.Choice(["compiled", "triton"]),
               help="The lm_head chunks' softmax and gradient: dflash's Triton kernel (default; CUDA and KD off, "

@@ -88,7 +88,6 @@ class TrainConfig:
     # systems
     parallel: str = "ddp"  # ddp | fsdp
     ddp_overlap: bool = True  # DDP: all-reduce buckets during the backward (compile the wrapper); False: after it
-    grad_reduce_dtype: str = "fp32"  # fp32 | bf16: the dtype gradients are all-reduced in (dflash.parallel)
     compile: str = "auto"  # auto (on for CUDA) | on | off
     precision: str = "auto"  # auto (bf16 autocast on CUDA) | bf16 | fp32
     # bookkeeping

@@ -78,7 +78,6 @@ def _check_options(cfg: TrainConfig) -> None:
         (cfg.steps is None or cfg.steps >= 1, "--steps must be at least 1"),
         (cfg.steps is not None or cfg.epochs > 0, "--epochs must be positive"),
         (cfg.parallel in ("ddp", "fsdp"), "--parallel must be ddp or fsdp"),
-        (cfg.grad_reduce_dtype in ("fp32", "bf16"), "--grad-reduce-dtype must be fp32 or bf16"),
         (cfg.compile in ("auto", "on", "off"), "--compile must be auto, on or off"),
         (cfg.loss_kernel in ("compiled", "triton"), "--loss-kernel must be compiled or triton"),
         (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),

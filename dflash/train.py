@@ -65,7 +65,7 @@ def _build_model(setup: Setup, cfg: TrainConfig, device: torch.device, world: in
 
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
     raw = DFlashDrafter(setup.drafter_config).to(device)
-    ddp = parallel.wrap(raw, cfg.parallel, cfg.grad_reduce_dtype, device, world)
+    ddp = parallel.wrap(raw, cfg.parallel, device, world)
     if _compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; shapes come from a
         # short list (loader.shape_set) and each (S, Q) pair compiles once.

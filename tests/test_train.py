@@ -369,26 +369,6 @@ def test_compiled_ddp_matches_eager(two_process_run, counting, tmp_path, overlap
     assert [r["recompiles"] for r in b] == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_gradients_reduced_in_bf16(two_process_run, counting, tmp_path, parallel):
-    """--grad-reduce-dtype bf16 (DDP's comm hook, FSDP2's reduce dtype): the first step's loss is the fp32
-    run's (nothing reduced yet); later steps stay close to it but not equal (the gradients did travel in
-    bf16), and the weights after 4 steps differ from the fp32 run's by less than a few Adam steps."""
-    cfg2, _ = two_process_run
-    target, store = counting
-    cfg = _cfg(target, store, tmp_path / "bf16", gpus="cpu:2", steps=4, save_every=2, parallel=parallel,
-               grad_reduce_dtype="bf16")
-    launch_train(cfg)
-    a, b = _metrics(cfg2.out), _metrics(cfg.out)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
-    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5)
-    assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=2e-2)
-    w32 = load_file(str(Path(cfg2.out) / "checkpoints/step-00000004/model.safetensors"))
-    w16 = load_file(str(Path(cfg.out) / "checkpoints/step-00000004/model.safetensors"))
-    diff = max(float((w32[k] - w16[k]).abs().max()) for k in w32)
-    assert 0 < diff < 4 * 2 * cfg.lr, diff
-
-
 def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
     """train._clip hands the clipping factor to fused AdamW as grad_scale: the update must equal
     clip_grad_norm_ followed by a plain AdamW step, both when clipping bites and when it does not."""
