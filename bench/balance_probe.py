@@ -33,7 +33,7 @@ import torch
 
 from common import Results, elapsed, median, part_limit_s, sync, tiny_mode
 from dflash import masks
-from dflash import plan as P
+from dflash.train import plan as P
 from loader_bench import build_store, shapes
 from step_workload import to_device
 from train_step import Bench
@@ -82,7 +82,7 @@ def main() -> None:
     sh = shapes(tiny)
     res = Results("balance", tiny=tiny, device=device, limit_s=limit, rows_per_batch=R, reps=reps, shapes=sh)
 
-    from dflash import loader as L
+    from dflash.train import loader as L
     from dflash.config import TrainConfig
     from dflash.store import open_store
 

@@ -6,7 +6,7 @@ killed by its time limit still leaves what it measured.  `python bench/common.py
 runs on a laptop CPU in a few minutes; the code path is the same.
 
 Result keys (times in ms or s as named, rates per second of wall time):
-  train_step.json  flex (the step as dflash.train runs it) / flex_old, flex_fused_only (before) /
+  train_step.json  flex (the step as dflash.train.trainer runs it) / flex_old, flex_fused_only (before) /
                    baseline_create_block_mask / rowsN: step_ms_wall_mean, step_ms_median (p10, p90, all), ctx/block/label
                    tokens_per_s, tflop_per_step + flops_mean_per_step (components, TFLOP) + flop_formulas, mfu
                    (vs 989 TFLOP/s; mfu_strict without fc's input gradient), peak_mem_gib_max/min (per-step

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from common import ROOT, Results, dims, elapsed, make_fake_target, median, out_dir, part_limit_s, tiny_mode, work_dir
-from dflash.train import HOST_PHASES
+from dflash.train.trainer import HOST_PHASES
 
 TOPK = 8
 
@@ -48,7 +48,7 @@ def shapes(tiny: bool) -> dict:
 def build_store(tiny: bool, res: Results | None = None) -> tuple[Path, Path, int]:
     """(target dir, store dir, mask token id), built once per work dir."""
     from dflash.store import ShardWriter, create_or_check_manifest
-    from dflash.target_io import target_identity, tokenizer_hash
+    from dflash.target.files import target_identity, tokenizer_hash
 
     w = work_dir()
     tdir, store, info = w / "target", w / "store", w / "store_info.json"
@@ -102,7 +102,7 @@ def drop_page_cache() -> str | None:
 
 def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batches: int, cap_s: float) -> dict:
     """Pull micro-batches from the real training DataLoader; rates exclude the workers' start-up."""
-    from dflash import loader as L
+    from dflash.train import loader as L
     from dflash.store import open_store
 
     sh = shapes(tiny)

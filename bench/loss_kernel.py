@@ -27,8 +27,8 @@ if TINY:  # Triton binds its language to the interpreter when imported with this
 
 import torch  # noqa: E402
 
-from dflash import loss as dloss  # noqa: E402
-from dflash import loss_kernel  # noqa: E402
+from dflash.train import loss as dloss  # noqa: E402
+from dflash.train import loss_kernel  # noqa: E402
 
 
 def inputs(c: int, V: int, device: str, seed: int = 0):

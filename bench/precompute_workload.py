@@ -39,7 +39,7 @@ def capture_before_class():
     """Capture with session 2's top-k path, for a before/after in one run: fp32 log_softmax over every
     chunk of logits, then top-k on it, and real positions picked by boolean indexing on the device (a
     host sync per indexing)."""
-    from dflash.target import Capture
+    from dflash.target.capture import Capture
 
     class CaptureBefore(Capture):
         def topk_of(self, last_hidden, lengths):
@@ -64,8 +64,8 @@ def capture_before_class():
 
 
 def sequences(tiny: bool, tokens: int, vocab: int, seed: int = 0):
-    """Synthetic rendered samples (dflash.data.Rendered) of 300-4096 tokens (20-200 tiny)."""
-    from dflash.data import Rendered
+    """Synthetic rendered samples (dflash.chat.Rendered) of 300-4096 tokens (20-200 tiny)."""
+    from dflash.chat import Rendered
 
     rng = np.random.default_rng(seed)
     lo, hi = (20, 200) if tiny else (300, 4096)
@@ -81,7 +81,7 @@ def sequences(tiny: bool, tokens: int, vocab: int, seed: int = 0):
 
 def batches_of(samples, token_budget: int):
     """[(members [(row, Rendered)], padded ids [B, T], lengths [B])] in precompute's batch plan."""
-    from dflash.precompute_shard import plan_batches
+    from dflash.precompute.shard import plan_batches
 
     out = []
     for idx in plan_batches([len(s.input_ids) for s in samples], token_budget):
@@ -96,7 +96,7 @@ def batches_of(samples, token_budget: int):
 
 def write_batch(sink, capture, members, device, hidden_dtype: str) -> None:
     """precompute's own write step (every member is new: todo = members)."""
-    from dflash import precompute_shard
+    from dflash.precompute import shard
 
     todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
     precompute_shard._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
@@ -124,7 +124,7 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
     precompute's sink (`precompute_shard.open_sink`): mode "process" (the writer process run_shard uses),
     "thread" (the writer thread before) or "serial".  The sink's start-up (the writer process starting and
     opening the shard, paid once per shard) is outside the timed span, in stats["writer_start_s"]."""
-    from dflash.precompute_shard import open_sink
+    from dflash.precompute.shard import open_sink
 
     d = dims(tiny)
     L = len(d["target_layer_ids"])

@@ -9,7 +9,7 @@ import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from dflash import loader as L
+from dflash.train import loader as L
 from dflash import masks
 from dflash.model import DrafterConfig
 

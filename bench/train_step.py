@@ -5,7 +5,7 @@ that builds its BlockMask with `create_block_mask` every step.
 
 The batches are built by the real loader code (`loader.PackedDataset.build`: anchors, labels, loss weights,
 `masks.mask_metadata` per row on the CPU) over an in-memory stand-in for a store (random hidden states), then
-pinned; each timed step is what `dflash.train` does per micro-batch: copy to the GPU, `masks.to_block_mask`,
+pinned; each timed step is what `dflash.train.trainer` does per micro-batch: copy to the GPU, `masks.to_block_mask`,
 embedding + compiled drafter under bf16 autocast, chunked lm_head + loss (`loss.block_loss`), backward,
 gradient clipping, fused AdamW step.  The baseline is the identical step with the BlockMask made by
 `torch.nn.attention.flex_attention.create_block_mask` from the same mask_mod (bench/ only: the package never
@@ -25,8 +25,8 @@ import torch
 
 from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s, pctl, sync, tiny_mode
 from dflash import masks
-from dflash.feeder import DeviceFeeder
-from dflash.loss import IGNORE, block_loss
+from dflash.train.feeder import DeviceFeeder
+from dflash.train.loss import IGNORE, block_loss
 from dflash.model import DFlashDrafter, DrafterConfig
 from step_workload import (FLOP_FORMULAS, TILE, build_batches, create_block_mask_baseline, live_tiles, pin, step_flops,
                            to_device)
@@ -49,7 +49,7 @@ class Bench:
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
         if self.compiled:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            # as dflash.train does: in place, once, in this main thread (variant cg=1: with CUDA graphs)
+            # as dflash.train.trainer does: in place, once, in this main thread (variant cg=1: with CUDA graphs)
             self.raw.compile(dynamic=False, mode=getattr(args, "compile_mode", None))
         decay = [p for p in self.raw.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.raw.parameters() if p.dim() < 2]
@@ -64,12 +64,12 @@ class Bench:
         self.n_params = sum(p.numel() for p in self.raw.parameters())
 
     def step(self, m, make_mask, fused: bool, host_syncs: bool, optimizer_step: bool = True):
-        """One optimizer step on one micro-batch already on the device, as dflash.train runs it (fused
+        """One optimizer step on one micro-batch already on the device, as dflash.train.trainer runs it (fused
         loss, label positions and loss denominator from the loader: no host sync) or, with
         host_syncs and not fused, as it ran before (nonzero() and float(denom) syncs, eager loss)."""
         denom = float(m["loss_weight"].sum().double()) if host_syncs else m["loss_weight_sum"]
         if getattr(self.args, "compile_mode", None) == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # as dflash.train does with cuda_graphs
+            torch.compiler.cudagraph_mark_step_begin()  # as dflash.train.trainer does with cuda_graphs
         block_mask = make_mask(m["mask"])
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
@@ -84,7 +84,7 @@ class Bench:
         if host_syncs:  # before: clip_grad_norm_ scales every gradient in a separate pass
             self.opt.grad_scale = None
             torch.nn.utils.clip_grad_norm_(self.raw.parameters(), 1.0)
-        else:  # dflash.train._clip: the fused AdamW kernel divides by the clipping factor as it reads
+        else:  # dflash.train.trainer._clip: the fused AdamW kernel divides by the clipping factor as it reads
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.raw.parameters() if p.grad is not None])
             self.opt.grad_scale = ((norm + 1e-6) / 1.0).clamp_min(1.0)
         self.opt.step()
@@ -94,7 +94,7 @@ class Bench:
     def timed(self, batches, make_mask, n: int, mode: str) -> dict:
         """n steps cycling over `batches` (pinned host memory).
 
-        mode "new" (dflash.train today): feeder.DeviceFeeder copies the next batch on a side stream while
+        mode "new" (dflash.train.trainer today): feeder.DeviceFeeder copies the next batch on a side stream while
         this one computes, fused loss, no host sync inside the loop; per-step times are CUDA-event
         intervals on the compute stream, the rate is wall time over all n steps (one sync at the end).
         mode "old" (before): the batch copied on the compute stream at the start of each step, eager loss,
@@ -188,7 +188,7 @@ def time_fn(fn, device, n: int) -> list[float]:
 
 
 def profile_steps(bench: Bench, batches, R: int, tag: str | None = None) -> None:
-    """torch.profiler over 3 steps as dflash.train runs them: the kernels by self device time, to
+    """torch.profiler over 3 steps as dflash.train.trainer runs them: the kernels by self device time, to
     $OUT/train_profile_R<R>.txt (where a step's time goes, for the next optimisation)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -335,7 +335,7 @@ def parse_variant(spec: str) -> dict:
     reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); cg=1
     compiles the drafter with mode="reduce-overhead" (CUDA graphs for its forward and backward: no Python
     kernel launches, the inputs copied into static buffers); loss=triton runs the per-chunk softmax /
-    gradient with dflash.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
+    gradient with dflash.train.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
     out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
            "cdt": False, "cg": False, "loss": "compiled"}
     for part in spec.split(","):
@@ -395,7 +395,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
 
                 icfg.max_autotune = v["autotune"]
                 icfg.coordinate_descent_tuning = v["cdt"]
-                from dflash import loss as dloss
+                from dflash.train import loss as dloss
 
                 dloss._COMPILED.clear()  # the loss recompiles under the new Inductor settings
                 icfg.max_autotune_gemm_backends = "ATEN" if v["autotune"] else icfg.max_autotune_gemm_backends

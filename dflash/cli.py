@@ -106,7 +106,7 @@ def precompute(config, **flags):
 
     Rerunning the same command continues an interrupted run; a finished store is left as it is.
     """
-    from dflash.precompute import run_precompute
+    from dflash.precompute.run import run_precompute
 
     cfg = build_config(PrecomputeConfig, _config_path(config), flags)
     run_precompute(cfg)
@@ -172,7 +172,7 @@ def verify(store, quick):
 @user_errors
 def train(config, **flags):
     """Train a DFlash drafter from a store, one process per GPU."""
-    from dflash.launch import launch_train
+    from dflash.train.launch import launch_train
 
     cfg = build_config(TrainConfig, _config_path(config), flags)
     launch_train(cfg)
@@ -192,7 +192,7 @@ def train(config, **flags):
 @user_errors
 def eval_(config, **flags):
     """Measure acceptance length tau offline (store) or online (speculative decoding, lossless check)."""
-    from dflash.evaluate import run_eval
+    from dflash.evaluate.run import run_eval
 
     cfg = build_config(EvalConfig, _config_path(config), flags)
     if not cfg.store and not cfg.prompts:
@@ -208,7 +208,7 @@ def eval_(config, **flags):
 @user_errors
 def export(source, out, check):
     """Write a run or checkpoint as a DFlashDraftModel directory that vLLM and SGLang load."""
-    from dflash.export import run_export
+    from dflash.evaluate.export import run_export
 
     run_export(ExportConfig(source=source, out=out, check=check))
 

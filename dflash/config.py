@@ -75,14 +75,14 @@ class TrainConfig:
     num_anchors: int = 64  # anchors per sample per epoch (upper bound)
     num_workers: int = 2  # DataLoader worker processes per training process
     balance_steps: bool = True  # each step's micro-batches (one per process) of similar cost (plan._balanced_order)
-    batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.batch_slots)
+    batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.train.batch_slots)
     seed: int = 0
     # loss
     gamma: float | None = None  # None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1
     kd_weight: float = 0.0
     kd_temperature: float = 1.0
     lm_head_chunk: int = 2048  # block positions per lm_head + loss chunk
-    # the lm_head chunks' softmax / gradient: triton (dflash.loss_kernel, 2x the compiled kernel's speed on an
+    # the lm_head chunks' softmax / gradient: triton (dflash.train.loss_kernel, 2x the compiled kernel's speed on an
     # H200; where it cannot run, KD on or no CUDA, it falls back to compiled) | compiled (torch.compile)
     loss_kernel: str = "triton"
     # systems

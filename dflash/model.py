@@ -89,7 +89,7 @@ class DrafterConfig:
     def from_target(cls, target_config, num_layers: int, block_size: int = 16,
                     target_layer_ids: list[int] | None = None, mask_token_id: int | None = None) -> "DrafterConfig":
         """Copy the target's layer shape (as z-lab does); `num_layers` drafter layers."""
-        from dflash.target_io import default_target_layers
+        from dflash.target.files import default_target_layers
 
         tc = target_config
         if hasattr(tc, "get_text_config"):

@@ -5,7 +5,7 @@ model.safetensors, tokenizer.json + chat template) small enough to run on one CP
 
     target = make_tiny_target(tmp_path, arch="qwen3")      # or "llama"
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", n=24)
-    store = build_store(tmp_path / "store", target, data)  # runs dflash.precompute.run_precompute
+    store = build_store(tmp_path / "store", target, data)  # runs dflash.precompute.run.run_precompute
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ def build_store(out, target, data, **overrides) -> Path:
     Defaults: one shard, layers [1, 2], top-4, max_length 256; `overrides` are PrecomputeConfig fields.
     """
     from dflash.config import PrecomputeConfig
-    from dflash.precompute import run_precompute
+    from dflash.precompute.run import run_precompute
 
     kw = dict(target=str(target), data=str(data), out=str(out), shards=1, gpus="cpu", max_length=256, topk=4)
     kw["target_layers"] = [1, 2]  # fits the 4-layer default of make_tiny_target

@@ -1,4 +1,4 @@
-"""Checks of dflash.loss_kernel's Triton kernel on the CPU, through Triton's interpreter.
+"""Checks of dflash.train.loss_kernel's Triton kernel on the CPU, through Triton's interpreter.
 
 Triton binds its language functions to the interpreter when it is imported with TRITON_INTERPRET=1, so
 these run in a fresh process started with it (tests/test_loss_kernel.py does that, once for all
@@ -13,8 +13,8 @@ import traceback
 
 import torch
 
-from dflash import loss_kernel
-from dflash.loss import IGNORE, block_loss, chunk_terms_eager, reference_block_loss
+from dflash.train import loss_kernel
+from dflash.train.loss import IGNORE, block_loss, chunk_terms_eager, reference_block_loss
 
 
 def _chunk(c, V, dtype, seed):

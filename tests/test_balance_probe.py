@@ -9,8 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import balance_probe  # noqa: E402
-from dflash import loader as L  # noqa: E402
-from dflash import plan as P  # noqa: E402
+from dflash.train import loader as L  # noqa: E402
+from dflash.train import plan as P  # noqa: E402
 
 
 def test_replay_pairs_consecutive_micro_batches_and_drops_the_odd_tail():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.errors import DataError
 from helpers import make_conversations, make_conversations_jsonl, make_tokenizer
 

@@ -27,8 +27,8 @@ B = 8
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(target dir, target model, tokenizer, prompts): a random-init tiny Qwen3 on CPU in fp32."""
-    from dflash.evaluate import load_prompts
-    from dflash.target import load_target, load_tokenizer
+    from dflash.evaluate.run import load_prompts
+    from dflash.target.capture import load_target, load_tokenizer
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("eval")
@@ -50,8 +50,8 @@ def make_drafter(target, tok, num_layers=1, seed=0):
 
 
 def save_run(run: Path, drafter, target_dir: Path, step: int = 1) -> Path:
-    """A run directory holding one checkpoint of `drafter`, written by dflash.checkpoint itself."""
-    from dflash.checkpoint import save_checkpoint
+    """A run directory holding one checkpoint of `drafter`, written by dflash.train.checkpoint itself."""
+    from dflash.train.checkpoint import save_checkpoint
 
     return save_checkpoint(run, step, drafter.state_dict(), drafter.config.to_hf_dict(), {"step": step},
                            {"train": {"target": str(target_dir)}})
@@ -73,7 +73,7 @@ def oracle(reference: list[int], prompt_len: int, wrong_from: int | None = None)
 
 
 def test_greedy_reference_matches_transformers_generate(setup):
-    from dflash.speculative import greedy_generate
+    from dflash.evaluate.speculative import greedy_generate
 
     _, target, tok, prompts, _ = setup
     ids = torch.tensor(prompts[0])
@@ -84,7 +84,7 @@ def test_greedy_reference_matches_transformers_generate(setup):
 
 
 def test_untrained_drafter_is_lossless(setup):
-    from dflash.evaluate import online_eval
+    from dflash.evaluate.run import online_eval
 
     _, target, tok, prompts, _ = setup
     drafter = make_drafter(target, tok)
@@ -96,7 +96,7 @@ def test_untrained_drafter_is_lossless(setup):
 
 
 def test_cheating_drafter_is_accepted_whole_and_lossless(setup):
-    from dflash.speculative import greedy_generate, speculative_generate
+    from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     _, target, tok, prompts, _ = setup
     drafter = make_drafter(target, tok)
@@ -114,7 +114,7 @@ def test_cheating_drafter_is_accepted_whole_and_lossless(setup):
 def test_partial_acceptance_crops_caches_correctly(setup, wrong_from):
     """Proposals right up to position wrong_from - 1: every block accepts exactly that many, and the
     output (built over cropped target and draft caches) still equals target-only greedy decoding."""
-    from dflash.speculative import greedy_generate, speculative_generate
+    from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     _, target, tok, prompts, _ = setup
     drafter = make_drafter(target, tok)
@@ -126,7 +126,7 @@ def test_partial_acceptance_crops_caches_correctly(setup, wrong_from):
 
 
 def test_eos_stops_both_loops_identically(setup):
-    from dflash.speculative import greedy_generate, speculative_generate
+    from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     _, target, tok, prompts, _ = setup
     drafter = make_drafter(target, tok)
@@ -140,8 +140,9 @@ def test_eos_stops_both_loops_identically(setup):
 
 
 def test_block_acceptance_counts_leading_correct_predictions():
-    from dflash.evaluate import block_acceptance, summarize
-    from dflash.loss import IGNORE, block_stats
+    from dflash.train.heldout import summarize
+    from dflash.train.loss import block_acceptance
+    from dflash.train.loss import IGNORE, block_stats
 
     b = 4
     labels = torch.tensor([[0, 5, 6, 7, 0, 5, 6, 7, 0, 5, IGNORE, 7, 0, IGNORE, IGNORE, IGNORE]])
@@ -158,10 +159,10 @@ def test_block_acceptance_counts_leading_correct_predictions():
 
 
 def test_offline_tau_on_a_store(tiny_store):
-    from dflash.evaluate import offline_tau
+    from dflash.evaluate.run import offline_tau
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target_io import load_embed_and_head, target_config
+    from dflash.target.files import load_embed_and_head, target_config
 
     target_dir, _, store_dir = tiny_store
     store = open_store(store_dir)
@@ -191,7 +192,7 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
     """End to end through the CLI: a checkpoint on disk, offline + online, files for dvc."""
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target_io import target_config
+    from dflash.target.files import target_config
 
     target_dir, chats, store_dir = tiny_store
     store = open_store(store_dir)
@@ -229,7 +230,7 @@ def test_drafting_in_the_loop_matches_the_training_forward(setup):
     """Every drafting step of the decoding loop (cached context, fed incrementally) gives the drafter
     output the training forward gives for that anchor over the whole sequence's target features."""
     from dflash import masks
-    from dflash.speculative import LayerCapture, speculative_generate
+    from dflash.evaluate.speculative import LayerCapture, speculative_generate
 
     _, target, tok, prompts, _ = setup
     drafter = make_drafter(target, tok, num_layers=2, seed=1)
@@ -279,14 +280,14 @@ def test_trained_drafter_beats_untrained_on_embedded_default(tmp_path):
 
 def compare_trained_and_untrained(target_dir, train_data, heldout_data, tmp, layers, steps):
     from dflash.config import EvalConfig, PrecomputeConfig, TrainConfig
-    from dflash.evaluate import load_prompts, offline_tau, online_eval, run_eval
-    from dflash.export import load_training_drafter
+    from dflash.evaluate.run import load_prompts, offline_tau, online_eval, run_eval
+    from dflash.evaluate.export import load_training_drafter
     from dflash.model import DFlashDrafter
-    from dflash.precompute import run_precompute
+    from dflash.precompute.run import run_precompute
     from dflash.store import open_store
-    from dflash.target import load_target, load_tokenizer
-    from dflash.target_io import load_embed_and_head
-    from dflash.train import run_training
+    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target.files import load_embed_and_head
+    from dflash.train.trainer import run_training
 
     torch.set_num_threads(2)
     stores = {}

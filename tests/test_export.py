@@ -21,9 +21,9 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, checkpoint dir, drafter, target dir): a 2-layer drafter saved by dflash.checkpoint."""
-    from dflash.checkpoint import save_checkpoint
+    from dflash.train.checkpoint import save_checkpoint
     from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target_io import target_config
+    from dflash.target.files import target_config
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("export")
@@ -47,7 +47,7 @@ def run(tmp_path_factory):
 
 def export(source, out, **kw):
     from dflash.config import ExportConfig
-    from dflash.export import run_export
+    from dflash.evaluate.export import run_export
 
     return run_export(ExportConfig(source=str(source), out=str(out), **kw))
 
@@ -90,7 +90,7 @@ def test_export_config_and_exact_key_set(run, tmp_path):
 
 def test_export_round_trip_logits(run, tmp_path):
     """fp32 export: identical logits; bf16 export: the rounded weights, exactly; --check passes."""
-    from dflash.export import _random_batch, load_export
+    from dflash.evaluate.export import _random_batch, load_export
 
     _, ckpt, drafter, _ = run
     head = torch.randn(drafter.config.vocab_size, drafter.config.hidden_size)
@@ -114,7 +114,7 @@ def test_export_round_trip_logits(run, tmp_path):
 def test_check_catches_a_broken_export(run, tmp_path):
     """Swap two same-shaped tensors in the export: the reload still succeeds, the check must fail."""
     from dflash.errors import DFlashError
-    from dflash.export import check_export
+    from dflash.evaluate.export import check_export
 
     _, ckpt, drafter, _ = run
     out = tmp_path / "export"

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import loader as L
+from dflash.train import loader as L
 from dflash import masks
 from dflash.errors import DataError
-from dflash.loss import IGNORE, position_weights
+from dflash.train.loss import IGNORE, position_weights
 
 
 def _mask(T, seed):
@@ -243,8 +243,8 @@ def test_batch_slots_carry_context_features(store):
     crosses to the trainer; through DeviceFeeder (2 slots for 2 workers: every slot reused many times,
     workers waiting for them) every micro-batch equals the one built in-process, and every slot is
     released in order."""
-    from dflash.batch_slots import BatchSlots
-    from dflash.feeder import DeviceFeeder
+    from dflash.train.batch_slots import BatchSlots
+    from dflash.train.feeder import DeviceFeeder
 
     spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
     ds = L.PackedDataset(store, spec)
@@ -277,8 +277,8 @@ def test_batch_slots_carry_context_features(store):
 def test_feeder_releases_slots_in_order():
     """Slots are released oldest first, as their copies finish; a copy still running holds back the
     slots after it, except the one the next micro-batch needs, which is waited for (never a deadlock)."""
-    from dflash.batch_slots import BatchSlots
-    from dflash.feeder import DeviceFeeder
+    from dflash.train.batch_slots import BatchSlots
+    from dflash.train.feeder import DeviceFeeder
 
     class Copy:  # a CUDA event stand-in: finished or not, and whether the feeder waited for it
         def __init__(self, done):
@@ -308,7 +308,7 @@ def test_feeder_releases_slots_in_order():
 _ORPHAN_PARENT = """
 import os, sys, time
 import torch.multiprocessing as mp
-from dflash.batch_slots import BatchSlots
+from dflash.train.batch_slots import BatchSlots
 
 
 def wait_for_slot(slots, pidfile):
@@ -402,7 +402,7 @@ def test_read_hidden_into_across_objects_and_tail(tmp_path):
 def test_device_feeder_groups_steps_in_order():
     """DeviceFeeder hands out one optimizer step's micro-batches at a time, in order, the last step
     possibly short, then StopIteration; prefetch() is idempotent and the DataLoader wait is counted."""
-    from dflash.feeder import DeviceFeeder
+    from dflash.train.feeder import DeviceFeeder
 
     batches = [{"i": i, "x": torch.full((2,), float(i))} for i in range(7)]
     feeder = DeviceFeeder(iter(batches), torch.device("cpu"), per_step=3)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dflash.loss import IGNORE, block_loss, block_stats, default_gamma, position_weights, reference_block_loss
+from dflash.train.loss import IGNORE, block_loss, block_stats, default_gamma, position_weights, reference_block_loss
 
 
 def test_gamma_and_weights():
@@ -103,7 +103,7 @@ def test_fused_compiled_loss_matches_reference(kd_weight):
 @pytest.mark.parametrize("kd_weight", [0.0, 0.5])
 def test_eager_and_fusible_chunk_terms_agree(kd_weight):
     """The two forms of one chunk's terms (in-place eager, and the one torch.compile fuses) agree."""
-    from dflash.loss import chunk_terms, chunk_terms_eager
+    from dflash.train.loss import chunk_terms, chunk_terms_eager
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(9, 40, generator=g) * 3
@@ -119,8 +119,8 @@ def test_eager_and_fusible_chunk_terms_agree(kd_weight):
 
 def test_loss_kernel_note_says_which_kernel_runs_and_why_not_triton():
     """The banner's account of the per-chunk kernel: the Triton kernel falls back silently otherwise."""
-    from dflash import loss_kernel
-    from dflash.loss import loss_kernel_note
+    from dflash.train import loss_kernel
+    from dflash.train.loss import loss_kernel_note
 
     cpu = torch.device("cpu")
     assert loss_kernel_note("compiled", False, cpu) == "torch"

@@ -1,4 +1,4 @@
-"""dflash.loss_kernel's Triton kernel, run on the CPU by Triton's interpreter, against the eager chunk
+"""dflash.train.loss_kernel's Triton kernel, run on the CPU by Triton's interpreter, against the eager chunk
 terms and the full-logits reference.  Triton reads TRITON_INTERPRET=1 when it is imported, so the checks
 (tests/loss_kernel_checks.py) run in one subprocess started with it; each check is reported here as a test."""
 
@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("triton")
 
 import loss_kernel_checks  # noqa: E402
-from dflash import loss_kernel  # noqa: E402
-from dflash.loss import block_loss, reference_block_loss  # noqa: E402
+from dflash.train import loss_kernel  # noqa: E402
+from dflash.train.loss import block_loss, reference_block_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

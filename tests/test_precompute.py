@@ -18,12 +18,12 @@ from click.testing import CliRunner
 
 from dflash.cli import main
 from dflash.config import PrecomputeConfig
-from dflash.data import conversation_of, load_rows, render
+from dflash.chat import conversation_of, load_rows, render
 from dflash.errors import StoreError
-from dflash.precompute import run_precompute
-from dflash.precompute_shard import plan_batches
+from dflash.precompute.run import run_precompute
+from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
-from dflash.target import load_target, load_tokenizer
+from dflash.target.capture import load_target, load_tokenizer
 from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))

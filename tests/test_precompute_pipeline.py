@@ -20,8 +20,8 @@ import torch
 
 from dflash.config import PrecomputeConfig
 from dflash.errors import StoreError
-from dflash.precompute import prepare, run_precompute
-from dflash.precompute_shard import ShardJob, run_shard
+from dflash.precompute.run import prepare, run_precompute
+from dflash.precompute.shard import ShardJob, run_shard
 from dflash.store import ShardWriter, create_or_check_manifest, open_store, verify_store
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError, StoreError
-from dflash.launch import launch_train
+from dflash.train.launch import launch_train
 
 pytestmark = pytest.mark.slow
 
@@ -253,7 +253,7 @@ def test_user_errors(counting, tmp_path):
 def test_mask_token_choice(counting):
     from transformers import AutoTokenizer
 
-    from dflash.preflight import resolve_mask_token
+    from dflash.train.preflight import resolve_mask_token
     from dflash.store import open_store
 
     target, store = counting
@@ -272,7 +272,7 @@ def test_mask_token_reserved_and_unused(counting, tmp_path):
     """A tokenizer with <|mask|> and reserved tokens but no spare row: the first one the store never uses."""
     from transformers import AutoTokenizer
 
-    from dflash.preflight import resolve_mask_token
+    from dflash.train.preflight import resolve_mask_token
     from dflash.store import open_store
 
     target, store = counting
@@ -297,7 +297,7 @@ def test_mask_token_reserved_and_unused(counting, tmp_path):
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path):
-    from dflash import checkpoint as ckpt
+    from dflash.train import checkpoint as ckpt
 
     state = {"w": torch.arange(4.0)}
     for step in (1, 2, 3):
@@ -315,22 +315,26 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
 
 def test_step_rates_use_the_device_timeline_when_known():
     """On a GPU, tokens/s come from the device's step interval (CUDA events), data wait from the host's."""
-    from dflash.metrics import step_record
+    from dflash.train.metrics import step_record
+    from dflash.train.trainer import PendingStep, StepStats
 
     cfg = TrainConfig(block_size=4)
-    stats = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
-    p = dict(step=7, epoch=0, lr=1e-3, dt=0.5, data_wait=0.05, recompiles=0, host={"bwd": 0.2, "sync": 0.1})
-    host = step_record(p, stats, cfg, torch.device("cpu"), 1)
+    vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
+    stats = StepStats.from_vector(vec, 4)
+    assert stats.samples == 5.0 and stats.valid == [0.0, 2.0, 2.0, 1.0] and stats.grad_norm == 0.5
+    p = PendingStep(stats=None, event=None, step=7, epoch=0, lr=1e-3, dt=0.5, data_wait=0.05, gc=0.0, recompiles=0,
+                    host={"bwd": 0.2, "sync": 0.1})
+    host = step_record(p, stats, None, cfg, torch.device("cpu"), 1)
     assert host["ctx_tokens_per_s"] == 2000.0 and host["data_wait_frac"] == pytest.approx(0.1)
     assert host["host_bwd_frac"] == pytest.approx(0.4) and host["host_sync_frac"] == pytest.approx(0.2)
-    dev = step_record(dict(p, device_dt=0.25), stats, cfg, torch.device("cpu"), 1)
+    dev = step_record(p, stats, 0.25, cfg, torch.device("cpu"), 1)
     assert dev["ctx_tokens_per_s"] == 4000.0 and dev["block_tokens_per_s"] == 800.0
     assert dev["data_wait_frac"] == pytest.approx(0.1)  # host wait over host interval
     assert dev["loss"] == host["loss"] == 2.0 and dev["acc"] == [0.5, 0.5, 0.0]
 
 
 def test_truncate_metrics(tmp_path):
-    from dflash.preflight import truncate_metrics
+    from dflash.train.preflight import truncate_metrics
 
     f = tmp_path / "metrics.jsonl"
     f.write_text("".join(json.dumps({"step": i, "loss": 1.0}) + "\n" for i in range(1, 6)) + '{"step": 6, "lo')
@@ -370,9 +374,9 @@ def test_compiled_ddp_matches_eager(two_process_run, counting, tmp_path, overlap
 
 
 def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
-    """train._clip hands the clipping factor to fused AdamW as grad_scale: the update must equal
+    """step.clip hands the clipping factor to fused AdamW as grad_scale: the update must equal
     clip_grad_norm_ followed by a plain AdamW step, both when clipping bites and when it does not."""
-    from dflash.train import _clip
+    from dflash.train.step import clip as _clip
 
     for max_norm in (0.5, 1e6):
         torch.manual_seed(0)
@@ -398,7 +402,7 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
 
 
 def test_banner_states_the_host_memory_of_batch_slots(counting, tmp_path, capsys):
-    from dflash.loader import shape_set
+    from dflash.train.loader import shape_set
     from dflash.store import open_store
 
     target, store = counting

@@ -50,7 +50,7 @@ def teach_counting(target: Path, rows: list[dict], steps: int = 30, seed: int = 
 
 
 def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, teach: bool = True) -> tuple[Path, Path]:
-    """(target dir, store dir): stage one run for real (dflash.precompute) over counting conversations."""
+    """(target dir, store dir): stage one run for real (dflash.precompute.run) over counting conversations."""
     tmp = Path(tmp)
     rows = counting_conversations(n)
     target = make_tiny_target(tmp)
@@ -60,7 +60,7 @@ def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, t
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = tmp / "store"
     from dflash.config import PrecomputeConfig
-    from dflash.precompute import run_precompute
+    from dflash.precompute.run import run_precompute
 
     run_precompute(PrecomputeConfig(target=str(target), data=str(data), out=str(store), shards=1, gpus="cpu",
                                     max_length=256, topk=topk, target_layers=list(layers)))

@@ -9,8 +9,8 @@ manifest with `shards` overlaid by the status files); that view is what `open_st
 Manifest keys (the ones with meaning; anything else is kept as free-form run information):
 
     format_version      int, FORMAT_VERSION
-    target              dflash.target_io.target_identity(...) dict
-    tokenizer_hash      dflash.target_io.tokenizer_hash(...)
+    target              dflash.target.files.target_identity(...) dict
+    tokenizer_hash      dflash.target.files.tokenizer_hash(...)
     dataset_fingerprint str identifying the input rows (path + size/mtime or datasets fingerprint)
     target_layer_ids    list[int]
     hidden_dtype        "bf16" | "fp8"

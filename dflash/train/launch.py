@@ -76,7 +76,7 @@ def under_torchrun() -> bool:
 
 def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str) -> None:
     """Entry point of one launched process (module level: it is pickled to spawned processes)."""
-    from dflash.train import run_training
+    from dflash.train.trainer import run_training
 
     local_rank = int(os.environ["LOCAL_RANK"])
     cfg = TrainConfig(**{**cfg_dict, "betas": tuple(cfg_dict["betas"])})
@@ -94,8 +94,8 @@ def _device_for(kind: str, ids: tuple[int, ...], local_rank: int) -> str:
 def launch_train(cfg: TrainConfig) -> dict | None:
     """Train with one process per requested device; returns the final metrics (in this process only
     when it trained itself, i.e. one device or under torchrun)."""
-    from dflash.preflight import MASK_SOURCE_ENV, preflight
-    from dflash.train import run_training
+    from dflash.train.preflight import MASK_SOURCE_ENV, preflight
+    from dflash.train.trainer import run_training
 
     if under_torchrun():
         # torchrun started the processes; each one takes the GPU of its local rank (from the --gpus
@@ -124,7 +124,7 @@ def launch_train(cfg: TrainConfig) -> dict | None:
 
 
 def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
-    from dflash.train import run_training
+    from dflash.train.trainer import run_training
 
     if devices.count == 1:
         return run_training(cfg, device=_device_for(devices.kind, devices.ids, 0))

@@ -58,7 +58,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     """(DFlashDrafter in fp32 eval mode, checkpoint dir, train_config dict) from a run or checkpoint dir."""
     from safetensors.torch import load_file
 
-    from dflash.checkpoint import resolve_checkpoint
+    from dflash.train.checkpoint import resolve_checkpoint
     from dflash.model import DFlashDrafter, DrafterConfig
 
     src = Path(run_or_checkpoint)
@@ -189,7 +189,7 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
 
 
 def _lm_head_of(train_config: dict):
-    from dflash.target_io import load_embed_and_head
+    from dflash.target.files import load_embed_and_head
 
     target = (train_config.get("train") or train_config).get("target")
     if target and Path(target).is_dir():

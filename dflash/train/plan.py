@@ -15,15 +15,40 @@ short list of multiples of 128 (`shape_set`), so a compiled drafter sees a handf
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from dflash.errors import DataError
 from dflash.masks import TILE
 
-if TYPE_CHECKING:
-    from dflash.loader import LoaderSpec
+
+@dataclasses.dataclass(frozen=True)
+class LoaderSpec:
+    """Everything the workers need to build micro-batches; small and picklable."""
+
+    block_size: int
+    num_anchors: int  # per sample per epoch (upper bound)
+    token_budget: int  # context tokens per row (S max)
+    block_budget: int  # block tokens per row (Q max)
+    rows_per_batch: int
+    mask_token_id: int
+    gamma: float | None = None
+    seed: int = 0
+    num_shapes: int = 3
+    kd: bool = False
+    balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
+
+    @property
+    def s_shapes(self) -> list[int]:
+        return shape_set(self.token_budget, self.num_shapes)
+
+    @property
+    def q_shapes(self) -> list[int]:
+        return shape_set(self.block_budget, self.num_shapes)
+
+    @property
+    def max_blocks(self) -> int:
+        return min(self.num_anchors, round_up(self.block_budget) // self.block_size)
+
 
 _PLAN_WINDOW = 4096  # samples sorted together by length before packing ("length buckets")
 _OPEN_ROWS = 8  # rows kept open while packing a window (first-fit among them)

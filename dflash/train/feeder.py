@@ -19,7 +19,7 @@ class DeviceFeeder:
     Everything runs in the training thread.  On CPU it is a pass-through.  `wait_s` accumulates the time
     spent blocked on the DataLoader (the data-wait metric).
 
-    With `slots` (the loader's dflash.batch_slots.BatchSlots), a micro-batch's context features arrive
+    With `slots` (the loader's dflash.train.batch_slots.BatchSlots), a micro-batch's context features arrive
     as a slot number: they are copied to the device straight from the (pinned) slot, and the slot is
     released, in micro-batch order, once that copy has finished (on CPU: copied out, released at once)."""
 

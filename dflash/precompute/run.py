@@ -8,7 +8,7 @@
          each global rank is a shard;
       4. print and record a summary.
 
-One shard's work (batch plan, capture, pipelined writes, resume) is dflash/precompute_shard.py.
+One shard's work (batch plan, capture, pipelined writes, resume) is dflash/precompute/shard.py.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from dflash.config import PrecomputeConfig, to_dict
-from dflash.data import conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
-from dflash.precompute_shard import ShardJob, run_shard
+from dflash.precompute.shard import ShardJob, run_shard
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
-from dflash.target import check_layers, load_tokenizer
-from dflash.target_io import default_target_layers, target_identity, tokenizer_hash
+from dflash.target.capture import check_layers, load_tokenizer
+from dflash.target.files import default_target_layers, target_identity, tokenizer_hash
 
 CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
 

@@ -1,13 +1,9 @@
-"""Measuring a drafter: offline acceptance length on a held-out store, online speculative decoding.
+"""`dflash eval`: offline acceptance length on a held-out store, or online speculative decoding.
 
-Offline (`offline_tau`): the training semantics exactly (DESIGN section 3): the loader draws anchors
-from each held-out sample (seeded, so two evaluations of two checkpoints see the same blocks), the
-drafter predicts every block in one packed forward, and a block's acceptance length is 1 + the number
-of leading positions whose greedy prediction equals the stored token (a position past the sample or
-not supervised ends the run).  Cheap enough to run from `dflash train --eval-every`.
-
-Online (`online_eval`): real greedy speculative decoding against the target (dflash.speculative) on
-held-out prompts, timed against target-only greedy decoding, and checked token for token against it.
+Offline: `dflash.train.heldout.offline_tau`, the training semantics measured on held-out samples
+(docs/DESIGN.md §6).  Online (`online_eval`): real greedy speculative decoding against the target
+(dflash.evaluate.speculative) on held-out prompts, timed against target-only greedy decoding and checked
+token for token against it.
 """
 
 from __future__ import annotations
@@ -26,125 +22,9 @@ from tqdm import tqdm
 
 from dflash.config import EvalConfig
 from dflash.errors import ConfigError, DataError, DFlashError, StoreError
-from dflash.loss import IGNORE, block_acceptance
+from dflash.train.heldout import offline_tau, summarize
 
 log = logging.getLogger(__name__)
-
-
-# ---------------------------------------------------------------------------------------------- offline
-
-
-def _greedy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """argmax of the target lm_head, computed only where there is a label, a chunk at a time."""
-    flat = labels.reshape(-1)
-    sel = (flat != IGNORE).nonzero().squeeze(1)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
-    preds = torch.full_like(flat, -1)
-    out = torch.empty(len(sel), dtype=torch.long, device=hidden.device)
-    for i in range(0, len(sel), chunk):
-        out[i : i + chunk] = (h[i : i + chunk].to(lm_head.dtype) @ lm_head.t()).argmax(-1)
-    preds[sel] = out
-    return preds.view_as(labels)
-
-
-def summarize(taus: np.ndarray, block_size: int, correct: np.ndarray | None = None,
-              valid: np.ndarray | None = None) -> dict:
-    """tau statistics: mean, histogram over 1..B, and P(position k accepted) for k = 1..B-1."""
-    B = block_size
-    taus = np.asarray(taus, dtype=np.int64)
-    n = max(len(taus), 1)
-    hist = np.bincount(taus, minlength=B + 1)[1 : B + 1]
-    out = {
-        "tau": float(taus.mean()) if len(taus) else float("nan"),
-        "num_blocks": int(len(taus)),
-        "block_size": B,
-        # acceptance[k-1]: share of blocks whose first k proposals were all accepted
-        "acceptance": [float((taus >= k + 1).sum() / n) for k in range(1, B)],
-        "tau_hist": [int(c) for c in hist],
-    }
-    if correct is not None:
-        out["accuracy"] = [float(c / v) if v else None for c, v in zip(correct[1:], valid[1:])]
-    return out
-
-
-@torch.no_grad()
-def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, num_anchors: int = 64,
-                seed: int = 0, max_samples: int | None = None, token_budget: int | None = None,
-                block_budget: int | None = None, progress: bool = True) -> dict:
-    """Greedy acceptance length of `drafter` on a held-out store (DESIGN section 3 semantics).
-
-    embed / lm_head: the target's frozen [V, H] tensors (they are moved to the drafter's device).
-    Anchors come from dflash.loader with (seed, epoch 0): the same blocks for every checkpoint.
-    Returns {tau, num_blocks, num_samples, block_size, acceptance [B-1], accuracy [B-1], tau_hist [B]}.
-    """
-    from dflash import loader as L
-    from dflash import masks
-
-    cfg = drafter.config
-    B = cfg.block_size
-    if store.hidden_size != cfg.hidden_size or list(store.target_layer_ids) != list(cfg.target_layer_ids):
-        raise StoreError(
-            f"store {store.path} holds target layers {store.target_layer_ids} of hidden size {store.hidden_size}, "
-            f"but the drafter reads layers {cfg.target_layer_ids} of hidden size {cfg.hidden_size}; evaluate on "
-            "a held-out store precomputed from the same target with the same --target-layers."
-        )
-    if len(store) == 0:
-        raise StoreError(f"store {store.path} has no committed samples; run `dflash precompute` to completion.")
-    param = next(drafter.parameters())
-    device = param.device
-    longest = int(store.lengths().max())
-    # Whole samples as context (no truncation) unless the caller fixes the shapes (a compiled drafter).
-    spec = L.LoaderSpec(
-        block_size=B,
-        num_anchors=num_anchors,
-        token_budget=token_budget or L.round_up(longest),
-        block_budget=block_budget or L.round_up(num_anchors * B),
-        rows_per_batch=1,
-        mask_token_id=cfg.mask_token_id,
-        seed=seed,
-    )
-    ds = L.PackedDataset(store, spec)
-    plan = ds.plan(0)
-    embed = embed.to(device)
-    lm_head = lm_head.to(device)
-    taus, rights, valids, n_samples = [], [], [], 0
-    was_training = drafter.training
-    drafter.eval()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    bar = tqdm(plan.batches, desc="offline tau", unit="batch", disable=not progress, leave=False)
-    try:
-        for rows in bar:
-            if max_samples is not None:  # a prefix of the (seeded) plan, cut at exactly max_samples
-                rows = [r[: max(0, max_samples - n_samples - sum(len(x) for x in rows[:i]))]
-                        for i, r in enumerate(rows)]
-                rows = [r for r in rows if len(r)]
-                if not rows:
-                    break
-            b = ds.build(0, rows)
-            n_samples += int(b["num_samples"])
-            meta = {k: v.to(device) for k, v in b["mask"].items()}
-            # CPU: the dense mask through SDPA (eager flex_attention there is a slow reference).
-            mask = masks.to_block_mask(meta) if device.type == "cuda" else masks.to_dense_mask(meta)
-            with autocast:
-                hidden = drafter(
-                    b["ctx_hidden"].to(device),
-                    F.embedding(b["block_input_ids"].to(device), embed),
-                    b["ctx_positions"].to(device),
-                    b["block_positions"].to(device),
-                    mask,
-                )
-            labels = b["labels"].to(device)
-            tau, right, valid = block_acceptance(_greedy(hidden, lm_head, labels), labels, B)
-            taus.append(tau.cpu())
-            rights.append(right.sum(0).cpu())
-            valids.append(valid.sum(0).cpu())
-            bar.set_postfix(tau=f"{float(torch.cat(taus).float().mean()):.3f}")
-    finally:
-        drafter.train(was_training)
-    all_tau = torch.cat(taus).numpy() if taus else np.zeros(0, np.int64)
-    out = summarize(all_tau, B, torch.stack(rights).sum(0).numpy(), torch.stack(valids).sum(0).numpy())
-    out["num_samples"] = n_samples
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- online
@@ -158,7 +38,7 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
 
 def load_prompts(path, tokenizer, max_samples: int | None = None) -> list[list[int]]:
     """Prompt token ids: each conversation's turns before its last assistant turn + generation prompt."""
-    from dflash.data import conversation_of, load_rows
+    from dflash.chat import conversation_of, load_rows
 
     rows = load_rows(path, max_samples=max_samples)
     prompts = []
@@ -195,7 +75,7 @@ def _margin(target, prompt: torch.Tensor, ref: list[int], got: list[int], at: in
 def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
                 propose=None, progress: bool = True) -> dict:
     """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality."""
-    from dflash.speculative import greedy_generate, speculative_generate
+    from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     device = next(target.parameters()).device
     as_ids = [torch.tensor(p, dtype=torch.long, device=device) for p in prompts]
@@ -287,15 +167,15 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
     if plots:
-        from dflash.plots import plot_eval
+        from dflash.evaluate.plots import plot_eval
 
         plot_eval(result, out.parent)
 
 
 def run_eval(cfg: EvalConfig) -> dict:
     """`dflash eval`: offline tau (--store) and/or online speculative decoding (--prompts)."""
-    from dflash.export import load_training_drafter
-    from dflash.target_io import load_embed_and_head, target_identity
+    from dflash.evaluate.export import load_training_drafter
+    from dflash.target.files import load_embed_and_head, target_identity
 
     if not cfg.run:
         raise ConfigError("give --run RUN (a training run directory or one of its checkpoints).")
@@ -315,7 +195,7 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     if cfg.store:
         from dflash.store import compare_manifest, open_store
-        from dflash.target_io import tokenizer_hash
+        from dflash.target.files import tokenizer_hash
 
         store = open_store(cfg.store)
         compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
@@ -325,7 +205,7 @@ def run_eval(cfg: EvalConfig) -> dict:
                                         seed=cfg.seed, max_samples=cfg.max_samples)
         result["offline"]["store"] = str(cfg.store)
     if cfg.prompts:
-        from dflash.target import load_target, load_tokenizer
+        from dflash.target.capture import load_target, load_tokenizer
 
         dtype = dtypes[cfg.dtype]
         tokenizer = load_tokenizer(target_dir)
@@ -364,5 +244,5 @@ def run_eval(cfg: EvalConfig) -> dict:
     return result
 
 
-__all__ = ["offline_tau", "online_eval", "block_acceptance", "summarize", "load_prompts", "run_eval",
+__all__ = ["offline_tau", "online_eval", "summarize", "load_prompts", "run_eval",
            "write_outputs"]

@@ -27,7 +27,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU installs without triton: dflash.loss keeps to its compiled path
+except ImportError:  # CPU installs without triton: dflash.train.loss keeps to its compiled path
     triton = tl = None
 
 # Defaults for V ~ 152k bf16 on H100/H200: a tile is 16 fp32 values per thread, loop 1 runs ~19 tiles

@@ -18,7 +18,7 @@ import torch
 
 from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
-from dflash.loader import LoaderSpec
+from dflash.train.loader import LoaderSpec
 
 
 MASK_SOURCE_ENV = "DFLASH_MASK_TOKEN_SOURCE"
@@ -37,7 +37,7 @@ class Setup:
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
-        from dflash.target_io import load_embed_and_head
+        from dflash.target.files import load_embed_and_head
 
         embed, head = load_embed_and_head(self.cfg.target)
         dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
@@ -107,7 +107,7 @@ def check_run_dir(cfg: TrainConfig) -> None:
 
 def prepare_run_dir(cfg: TrainConfig) -> None:
     """Rank 0, before any other process writes: apply --overwrite, create the directory, drop debris."""
-    from dflash.checkpoint import clean_partial
+    from dflash.train.checkpoint import clean_partial
 
     out = Path(cfg.out)
     check_run_dir(cfg)
@@ -199,7 +199,7 @@ def _ids_in_store(store, ids: set[int]) -> set[int]:
 def preflight(cfg: TrainConfig) -> Setup:
     from dflash.model import DrafterConfig
     from dflash.store import compare_manifest, open_store
-    from dflash.target_io import target_config, target_identity, tokenizer_hash
+    from dflash.target.files import target_config, target_identity, tokenizer_hash
 
     _check_options(cfg)
     check_run_dir(cfg)

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.batch_slots import default_num_slots
+from dflash.train.batch_slots import default_num_slots
 from dflash.config import TrainConfig
-from dflash.loader import PREFETCH_FACTOR, batch_bytes
-from dflash.preflight import Setup, truncate_metrics
+from dflash.train.loader import PREFETCH_FACTOR, batch_bytes
+from dflash.train.preflight import Setup, truncate_metrics
+
 
 def peak_mem_gb(device: torch.device) -> float:
     if device.type == "cuda":
@@ -24,34 +25,33 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def step_record(p: dict, s: list[float], cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
-    B = cfg.block_size
-    ce_sum, kd_sum, wsum, tau_sum, nblocks, ctx_tok, blk_tok, nsamp = s[:8]
-    correct, valid, grad_norm = s[8 : 8 + B], s[8 + B : 8 + 2 * B], s[8 + 2 * B]
-    dt = p.get("device_dt") or p["dt"]  # rates: the device's timeline when known (GPU), else the host's
+def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
+    """A step's metrics record from its PendingStep `p` and StepStats `s` (dflash.train.trainer)."""
+    wsum = max(s.weight_sum, 1e-12)
+    dt = device_dt or p.dt  # rates: the device's timeline when known (GPU), else the host's
     return {
-        "step": p["step"],
-        "epoch": p["epoch"],
-        "loss": (ce_sum + cfg.kd_weight * kd_sum) / max(wsum, 1e-12),
-        "ce": ce_sum / max(wsum, 1e-12),
-        "kd": kd_sum / max(wsum, 1e-12),
-        "acc": [c / v if v else None for c, v in zip(correct, valid)][1:],
-        "tau": tau_sum / max(nblocks, 1),
-        "lr": p["lr"],
-        "grad_norm": grad_norm,
-        "ctx_tokens": int(ctx_tok),
-        "ctx_tokens_per_s": ctx_tok / dt,
-        "block_tokens_per_s": blk_tok / dt,
-        "samples": int(nsamp),
-        "data_wait_frac": p["data_wait"] / p["dt"],  # both measured on the host
-        "gc_frac": p.get("gc", 0.0) / p["dt"],  # Python garbage collection's share of the host's step
-        # the host's step by phase (train.HOST_PHASES): launching fwd / loss / bwd / opt, and waiting for
+        "step": p.step,
+        "epoch": p.epoch,
+        "loss": (s.ce_sum + cfg.kd_weight * s.kd_sum) / wsum,
+        "ce": s.ce_sum / wsum,
+        "kd": s.kd_sum / wsum,
+        "acc": [c / v if v else None for c, v in zip(s.correct, s.valid)][1:],
+        "tau": s.tau_sum / max(s.num_blocks, 1),
+        "lr": p.lr,
+        "grad_norm": s.grad_norm,
+        "ctx_tokens": int(s.ctx_tokens),
+        "ctx_tokens_per_s": s.ctx_tokens / dt,
+        "block_tokens_per_s": s.block_tokens / dt,
+        "samples": int(s.samples),
+        "data_wait_frac": p.data_wait / p.dt,  # both measured on the host
+        "gc_frac": p.gc / p.dt,  # Python garbage collection's share of the host's step
+        # the host's step by phase (dflash.train.step.HOST_PHASES): launching fwd / loss / bwd / opt, and waiting for
         # the device (sync).  A large sync share: the host was a step ahead (GPU-bound); near zero: it never
         # got ahead (busy launching, or blocked in a launch by a full CUDA launch queue).
-        **{f"host_{k}_frac": v / p["dt"] for k, v in p.get("host", {}).items()},
+        **{f"host_{k}_frac": v / p.dt for k, v in p.host.items()},
         "peak_mem_gb": peak_mem_gb(device),
         "compiles": compiles,
-        "recompiles": p["recompiles"],
+        "recompiles": p.recompiles,
     }
 
 
@@ -70,7 +70,7 @@ class RunLogger:
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         cut = int((setup.store.lengths() > setup.spec.s_shapes[-1]).sum())
         one = batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers)
-        n_slots = default_num_slots(cfg.num_workers, cfg.grad_accum)  # dflash.batch_slots
+        n_slots = default_num_slots(cfg.num_workers, cfg.grad_accum)  # dflash.train.batch_slots
         self.bar.write(
             f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "

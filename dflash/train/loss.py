@@ -114,8 +114,8 @@ def _terms_fn(fused: bool):
 
 
 def _triton_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
-    """chunk_terms (KD off) by dflash.loss_kernel's one-pass-and-a-half kernel; g overwrites the logits."""
-    from dflash.loss_kernel import fused_ce_terms
+    """chunk_terms (KD off) by dflash.train.loss_kernel's one-pass-and-a-half kernel; g overwrites the logits."""
+    from dflash.train.loss_kernel import fused_ce_terms
 
     ce_sum, preds, g = fused_ce_terms(logits, labels, weights)
     return ce_sum, ce_sum.new_zeros(()), preds, g
@@ -128,7 +128,7 @@ def _use_triton(kernel: str, use_kd: bool, device: torch.device) -> bool:
         raise ValueError(f"kernel must be 'compiled' or 'triton', got {kernel!r}")
     if kernel != "triton" or use_kd:
         return False
-    from dflash import loss_kernel
+    from dflash.train import loss_kernel
 
     return loss_kernel.available() and (device.type == "cuda" or loss_kernel.interpret_mode())
 
@@ -140,7 +140,7 @@ def loss_kernel_note(kernel: str, use_kd: bool, device: torch.device) -> str:
         return "triton"
     if kernel != "triton":
         return "torch"
-    from dflash import loss_kernel
+    from dflash.train import loss_kernel
 
     why = "KD is on" if use_kd else "triton is not installed" if not loss_kernel.available() else "no CUDA device"
     return f"torch (--loss-kernel triton falls back: {why})"
@@ -244,7 +244,7 @@ def block_loss(
     (the flat positions whose label is not IGNORE, made on the CPU by the loader) saves the step a
     device-to-host sync; `fused` compiles the per-chunk softmax / gradient (see chunk_terms).
     kernel="triton" replaces that per-chunk work, KD off and on CUDA, by one hand-written Triton kernel
-    (dflash.loss_kernel; the gradient overwrites the chunk's logits); "compiled" (the default), or
+    (dflash.train.loss_kernel; the gradient overwrites the chunk's logits); "compiled" (the default), or
     KD on, or no CUDA/triton, keeps the path `fused` selects.
     """
     R, Q, H = hidden.shape

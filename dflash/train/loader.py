@@ -1,6 +1,6 @@
 """From the store to packed training micro-batches: anchors, labels, mask metadata, per the epoch's plan.
 
-An epoch's *plan* (`dflash.plan`: packing and order) is a list of micro-batches, each `rows_per_batch`
+An epoch's *plan* (`dflash.train.plan`: packing and order) is a list of micro-batches, each `rows_per_batch`
 packed rows of a few samples of similar length; processes split it round-robin, step by step.
 
 The heavy part of a micro-batch (reading hidden states, drawing anchors, building labels, the
@@ -19,8 +19,8 @@ import torch
 
 from dflash import masks
 from dflash.errors import DataError
-from dflash.loss import IGNORE, position_weights
-from dflash.plan import EpochPlan, batch_cost, fit_shape, plan_epoch, round_up, shape_set  # (re-exported below)
+from dflash.train.loss import IGNORE, position_weights
+from dflash.train.plan import EpochPlan, LoaderSpec, batch_cost, fit_shape, plan_epoch, round_up, shape_set  # (re-exported below)
 
 TILE = masks.TILE
 
@@ -68,35 +68,6 @@ def block_targets(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndar
 # the epoch plan
 
 
-@dataclasses.dataclass(frozen=True)
-class LoaderSpec:
-    """Everything the workers need to build micro-batches; small and picklable."""
-
-    block_size: int
-    num_anchors: int  # per sample per epoch (upper bound)
-    token_budget: int  # context tokens per row (S max)
-    block_budget: int  # block tokens per row (Q max)
-    rows_per_batch: int
-    mask_token_id: int
-    gamma: float | None = None
-    seed: int = 0
-    num_shapes: int = 3
-    kd: bool = False
-    balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
-
-    @property
-    def s_shapes(self) -> list[int]:
-        return shape_set(self.token_budget, self.num_shapes)
-
-    @property
-    def q_shapes(self) -> list[int]:
-        return shape_set(self.block_budget, self.num_shapes)
-
-    @property
-    def max_blocks(self) -> int:
-        return min(self.num_anchors, round_up(self.block_budget) // self.block_size)
-
-
 # ---------------------------------------------------------------------------------------------------
 # the dataset (runs in worker processes) and the sampler (main process)
 
@@ -105,7 +76,7 @@ class PackedDataset(torch.utils.data.Dataset):
     """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, as a dict of tensors.
 
     dataset[(epoch, g, seq)] (make_loader with slots): the same micro-batch, its context features in
-    batch slot `seq % num_slots` (dflash.batch_slots) instead of a tensor: the dict holds `seq` and
+    batch slot `seq % num_slots` (dflash.train.batch_slots) instead of a tensor: the dict holds `seq` and
     `slot`, and the training process views the slot (DeviceFeeder)."""
 
     slots = None  # BatchSlots shared with the workers (make_loader), or None: a fresh shared tensor per batch
@@ -299,7 +270,7 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
                 slots=None):
     """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads).
 
-    With `slots` (dflash.batch_slots.BatchSlots), workers write context features into them; the
+    With `slots` (dflash.train.batch_slots.BatchSlots), workers write context features into them; the
     consumer (DeviceFeeder with the same slots) must release every micro-batch's seq in order."""
     if num_workers < 1:
         raise DataError("num_workers must be >= 1: mask metadata is built in DataLoader worker processes.")
@@ -307,7 +278,7 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
     if slots is not None:
         sampler = _Numbered(sampler)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "dflash.loader"])
+    ctx.set_forkserver_preload(["torch", "numpy", "dflash.train.loader"])
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,

@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from dflash import hostgc
 from dflash.config import PrecomputeConfig
-from dflash.data import conversation_of, load_rows, render
+from dflash.chat import conversation_of, load_rows, render
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
-from dflash.target import Capture, load_target, load_tokenizer, resolve_dtype
+from dflash.target.capture import Capture, load_target, load_tokenizer, resolve_dtype
 
 WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
 

@@ -1,0 +1,241 @@
+"""One optimizer step of the drafter: the model (DDP / FSDP2, compiled), the optimizer, and `TrainStep`,
+which runs the forward, chunked lm_head loss and backward of a step's micro-batches and the clipped
+optimizer update, leaving the step's statistics on the device (docs/DESIGN.md §3, §7).
+
+The trainer (dflash.train.trainer) and the step benchmark (bench/train_step.py) run this same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from dflash import masks
+from dflash.config import TrainConfig
+from dflash.train import parallel
+from dflash.train.loss import block_loss
+
+HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step is 0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total - cfg.warmup_steps)
+    t = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def compiled(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+
+
+@dataclasses.dataclass
+class StepStats:
+    """A step's sums over its micro-batches (and, after the all-reduce, over processes), by name.
+
+    On the device they travel as one flat float64 vector (`zeros`, `add`), so that a step costs one
+    all-reduce and one device-to-host copy; `from_vector` names its entries again on the host."""
+
+    ce_sum: float
+    kd_sum: float
+    weight_sum: float
+    tau_sum: float
+    num_blocks: float
+    ctx_tokens: float
+    block_tokens: float
+    samples: float
+    correct: list[float]  # per block position 0..B-1: greedy predictions equal to the label
+    valid: list[float]  # per block position: labels
+    grad_norm: float
+
+    SCALARS = ("ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks", "ctx_tokens", "block_tokens", "samples")
+
+    @classmethod
+    def zeros(cls, block_size: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(len(cls.SCALARS) + 2 * block_size, dtype=torch.float64, device=device)
+
+    @staticmethod
+    def add(vec: torch.Tensor, out, counts: torch.Tensor) -> None:
+        """Add one micro-batch's loss output and (ctx tokens, block tokens, samples) counts, in place."""
+        vec += torch.cat([
+            torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
+                         out.tau_sum.double(), out.num_blocks.double()]),
+            counts, out.correct.double(), out.valid.double()])
+
+    @classmethod
+    def from_vector(cls, v: list[float], block_size: int) -> StepStats:
+        n, B = len(cls.SCALARS), block_size
+        return cls(*v[:n], correct=v[n:n + B], valid=v[n + B:n + 2 * B], grad_norm=v[n + 2 * B])
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto the training device without a host sync.  A plain .to(cuda) from pageable
+    memory waits for the whole stream: once per step, the host then stops running ahead of the GPU and
+    the GPU idles while the next step is launched (docs/BENCHMARKS.md has the two-GPU cost)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def compile_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
+def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: int, n_shapes: int):
+    """(module to call, the raw drafter, the DDP wrapper or None) with DDP / FSDP2 and compile applied."""
+    from dflash.model import DFlashDrafter
+
+    torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
+    raw = DFlashDrafter(drafter_config).to(device)
+    ddp = parallel.wrap(raw, cfg.parallel, device, world)
+    if compiled(cfg, device):
+        # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair
+        # of the plan's short list compiles once.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * n_shapes + 4)
+        # ddp_overlap: the DDP wrapper is compiled, not the drafter: dynamo then splits the graph at DDP's
+        # gradient buckets and each bucket's all-reduce can overlap the rest of the backward.  Otherwise
+        # the drafter is compiled whole and DDP gets every gradient at once, after the backward: the
+        # all-reduce is exposed, but no NCCL kernel shares the SMs with the backward.  Not CUDA graphs
+        # (mode="reduce-overhead"): the compiled backward re-recorded its graph every step (BENCHMARKS).
+        (ddp if ddp is not None and cfg.ddp_overlap else raw).compile(dynamic=False)
+    return (ddp or raw), raw, ddp
+
+
+def make_optimizer(raw, cfg: TrainConfig, device: torch.device):
+    decay = [p for p in raw.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in raw.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # Fused (one kernel over all parameters, taking the clipping factor as grad_scale, see clip); on CPU
+    # too, so tests run the same path, except FSDP2 on CPU, which it does not support.
+    fused = device.type == "cuda" or cfg.parallel != "fsdp"
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+
+
+def clip(raw, optimizer, cfg: TrainConfig, world: int) -> torch.Tensor:
+    """The gradient norm; gradients above cfg.grad_clip are scaled down by the fused AdamW kernel itself
+    (its grad_scale input divides every gradient as it reads it), which saves clip_grad_norm_'s extra
+    read-modify-write pass over all gradients."""
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    if not optimizer.defaults.get("fused") or (world > 1 and cfg.parallel == "fsdp"):
+        norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
+    # clip_grad_norm_'s factor max_norm / (norm + 1e-6) when below 1, as a divisor
+    optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp_min(1.0)
+    return norm
+
+
+class TrainStep:
+    """The drafter, its optimizer and the frozen target embedding / lm_head, and one optimizer step."""
+
+    def __init__(self, drafter_config, cfg: TrainConfig, device: torch.device, world: int, embed, head,
+                 n_shapes: int = 1):
+        self.cfg, self.device, self.world = cfg, device, world
+        self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes)
+        self.optimizer = make_optimizer(self.raw, cfg, device)
+        self.embed, self.head = embed, head
+        self.fused = compiled(cfg, device)
+        self.fsdp = world > 1 and cfg.parallel == "fsdp"
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
+        # The host's seconds per phase, summed over steps.  "sync" (waiting for the device) is added by
+        # the trainer when it reads a step's statistics.
+        self.host = dict.fromkeys(HOST_PHASES, 0.0)
+        self.shapes_seen: set[tuple] = set()
+
+    def __call__(self, items: list, feeder, lr: float, prefetch: bool = True) -> tuple[torch.Tensor, bool]:
+        """One optimizer step over the micro-batches `items` (as `feeder.take()` gave them): returns the
+        step's StepStats vector (on the device, all-reduced) and whether a new (S, Q) shape appeared.
+
+        The step's loss is the weighted mean over every label of every process's micro-batches; the
+        weight sums come from the workers as host floats, so no sync is needed to know them."""
+        cfg, device = self.cfg, self.device
+        denom = sum(b["loss_weight_sum"] for b, _ in items)
+        if self.world > 1:
+            denom = on_device(torch.tensor(denom, dtype=torch.float64), device)
+            dist.all_reduce(denom)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        stats = StepStats.zeros(cfg.block_size, device)
+        new_shape = False
+        for i, item in enumerate(items):
+            m = feeder.ready(item)
+            shape = tuple(m["labels"].shape) + (m["ctx_positions"].shape[1],)
+            if shape not in self.shapes_seen:
+                new_shape = True
+                self.shapes_seen.add(shape)
+            last_micro = i == len(items) - 1
+            # Gradients are exchanged once per optimizer step, after the last micro-batch.
+            sync = self.ddp.no_sync() if self.ddp is not None and not last_micro else nullcontext()
+            if self.fsdp:
+                self.raw.set_requires_gradient_sync(last_micro)
+            with sync:
+                out = self.forward_backward(m, denom / self.world)
+            if i == 0 and prefetch:
+                # The next step's host-to-device copies overlap this step's compute.
+                feeder.prefetch()
+            counts = on_device(torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]],
+                                            dtype=torch.float64), device)
+            StepStats.add(stats, out, counts)
+        t_opt = time.perf_counter()
+        grad_norm = clip(self.raw, self.optimizer, cfg, self.world)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.host["opt"] += time.perf_counter() - t_opt
+        if self.world > 1:
+            dist.all_reduce(stats)
+        return torch.cat([stats, grad_norm.detach().double().reshape(1)]), new_shape
+
+    def forward_backward(self, m: dict, denom):
+        """Drafter forward on one micro-batch, chunked lm_head loss, backward; returns the LossOutput.
+
+        `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
+        average over: the gradient of the global weighted mean."""
+        cfg, clock = self.cfg, self.host
+        t0 = time.perf_counter()
+        if m["ctx_hidden"].is_cuda:
+            block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata from the workers
+        else:
+            # flex_attention has no CPU backward; the dense mask from the same descriptors is the CPU path.
+            block_mask = masks.to_dense_mask(m["mask"])
+        with self.autocast:
+            block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
+            hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+        t1 = time.perf_counter()
+        out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
+                         topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
+                         kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
+                         label_index=m.get("label_index"), fused=self.fused, kernel=cfg.loss_kernel)
+        t2 = time.perf_counter()
+        out.loss.backward()
+        clock["fwd"] += t1 - t0
+        clock["loss"] += t2 - t1
+        clock["bwd"] += time.perf_counter() - t2
+        return out
+
+    def state_dict(self) -> tuple[dict, dict]:
+        """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and
+        one process (so a checkpoint resumes under any of them); collective under FSDP2: all ranks call."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.raw, options=opts),
+                get_optimizer_state_dict(self.raw, self.optimizer, options=opts))
+
+    def load_state_dict(self, model_state: dict, optim_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.raw, model_state, options=opts)
+        set_optimizer_state_dict(self.raw, self.optimizer, optim_state, options=opts)

@@ -1,0 +1,294 @@
+"""One training process: the `Trainer` (set-up, resume, the step loop, metrics, checkpoints).
+
+`dflash.train.launch` starts one process per device (or torchrun does) and each calls `run_training`.
+Every process reads its own part of every epoch (dflash.train.loader); the loss of an optimizer step is
+normalised by the global sum of loss weights of that step, so W processes x A accumulation steps give the
+gradient of one batch of W*A micro-batches, whatever W and A are (docs/DESIGN.md §3).
+
+Exact resume (docs/DESIGN.md §7): `state_dict` holds model and optimizer state, the step, the data
+position (epoch, samples consumed, the plan's balance group) and the RNG states; the plan is a function of
+(seed, epoch, balance group) and anchors of (seed, epoch, sample id), so a resumed run sees the very
+batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash.config import TrainConfig
+from dflash.errors import ConfigError
+from dflash.hostgc import StepGC
+from dflash.train import checkpoint as ckpt
+from dflash.train import loader as L
+from dflash.train.batch_slots import BatchSlots, default_num_slots
+from dflash.train.feeder import DeviceFeeder
+from dflash.train.loss import loss_kernel_note
+from dflash.train.metrics import RunLogger, StepProfiler, step_record
+from dflash.train.preflight import prepare_run_dir, preflight
+from dflash.train.step import HOST_PHASES, StepStats, TrainStep, compile_count, compiled, lr_at
+
+__all__ = ["Trainer", "run_training", "lr_at", "HOST_PHASES", "StepStats"]
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A finished step whose statistics are still on the device: read one step late, so that the host's
+    only sync of a step never makes the GPU wait for the host."""
+
+    stats: torch.Tensor  # StepStats vector (pinned host copy on a GPU, in flight)
+    event: torch.cuda.Event | None  # recorded after the step: its end on the device's timeline
+    step: int
+    epoch: int
+    lr: float
+    dt: float  # host seconds since the previous step ended
+    data_wait: float
+    gc: float
+    recompiles: int
+    host: dict  # host seconds per HOST_PHASES entry in this step
+
+
+class Trainer:
+    """The drafter's training in this process: `train()` runs `train_step()` until the last step."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, rank: int = 0, world: int = 1,
+                 step_gc: StepGC | None = None):
+        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        self.step_gc = step_gc or StepGC(0)
+        self.setup = preflight(cfg)
+        if world > 1 and cfg.parallel == "fsdp" and cfg.eval_every:
+            raise ConfigError("--eval-every needs the whole drafter in one process; with --parallel fsdp evaluate "
+                              "checkpoints with `dflash eval` instead.")
+        if rank == 0:
+            prepare_run_dir(cfg)
+        self._barrier()
+        embed, head = self.setup.embed_and_head(device)
+        n_shapes = len(self.setup.spec.s_shapes) * len(self.setup.spec.q_shapes)
+        self.step_fn = TrainStep(self.setup.drafter_config, cfg, device, world, embed, head, n_shapes)
+        self.step, self.epoch, self.samples_done = 0, 0, 0
+        # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
+        self.balance_group = world * cfg.grad_accum if cfg.balance_steps else 1
+
+    # ------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs; collective under FSDP2 (every rank calls it)."""
+        model_state, optim_state = self.step_fn.state_dict()
+        rng = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        data = {"epoch": self.epoch, "samples_consumed": self.samples_done, "balance_group": self.balance_group}
+        return {"model": model_state, "optimizer": optim_state, "step": self.step, "world_size": self.world,
+                "data": data, "rng": rng}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_fn.load_state_dict(state["model"], state["optimizer"])
+        self.step = int(state["step"])
+        data = state["data"]
+        self.epoch, self.samples_done = int(data["epoch"]), int(data["samples_consumed"])
+        # The data position is a place in the checkpoint's plan, so its grouping stays, on any number of
+        # processes (checkpoints from before balancing have none: a random order).
+        self.balance_group = int(data.get("balance_group", 1))
+        torch.set_rng_state(state["rng"]["cpu"])
+        if self.device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+
+    def resume(self) -> None:
+        """Load the newest checkpoint of the run directory, if --resume and there is one."""
+        latest = ckpt.latest_checkpoint(Path(self.cfg.out)) if self.cfg.resume else None
+        if latest is None:
+            return
+        model_state, drafter_cfg, train_state, _ = ckpt.load_checkpoint(latest)
+        if drafter_cfg != self.setup.drafter_config.to_hf_dict():
+            raise ConfigError(
+                f"checkpoint {latest} was trained with a different drafter (block size, layers, target "
+                "layers or mask token); resume with the original options or start a new --out directory."
+            )
+        self.load_state_dict({"model": model_state, **train_state})
+
+    def save(self) -> None:
+        """One checkpoint (all ranks gather state, rank 0 writes), then everyone waits for the write."""
+        state = self.state_dict()
+        if self.rank == 0:
+            model_state = state.pop("model")
+            ckpt.save_checkpoint(Path(self.cfg.out), self.step, model_state, self.setup.drafter_config.to_hf_dict(),
+                                 state, self.setup.record(self.world), keep=self.cfg.keep_checkpoints)
+        self._barrier()
+
+    # ------------------------------------------------------------------------------------ the loop
+
+    def _open_data(self) -> int:
+        """Dataset, sampler and DataLoader from the current data position to the last step; returns the
+        total number of steps of the run."""
+        cfg, setup = self.cfg, self.setup
+        self.dataset = L.PackedDataset(setup.store, dataclasses.replace(setup.spec, balance_group=self.balance_group))
+        total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
+                                                                                           cfg.grad_accum)))
+        start_batch = self.dataset.plan(self.epoch).batch_at_samples(self.samples_done)
+        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.grad_accum, self.epoch, start_batch,
+                                max(0, total - self.step))
+        # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
+        self.slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
+                                L.batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers),
+                                pin=self.device.type == "cuda") if cfg.batch_slots else None
+        loader = L.make_loader(self.dataset, sampler, cfg.num_workers, pin_memory=self.device.type == "cuda",
+                               slots=self.slots)
+        self.step_plan = sampler.step_keys()
+        self.feeder = DeviceFeeder(loader, self.device, cfg.grad_accum, slots=self.slots)
+        return total
+
+    def train_step(self, total: int) -> int:
+        """One optimizer step; returns the epoch its micro-batches came from.  Advances the data position."""
+        cfg = self.cfg
+        step_epoch, step_first, _ = next(self.step_plan)
+        items = self.feeder.take()
+        lr = lr_at(self.step, cfg, total)
+        self.stats, self.new_shape = self.step_fn(items, self.feeder, lr, prefetch=self.step + 1 < total)
+        self.lr = lr
+        self.step += 1
+        # Data position: everything up to the end of this step's micro-batches, in samples.
+        end = step_first + self.world * cfg.grad_accum
+        self.epoch, self.samples_done = step_epoch, int(self.dataset.plan(step_epoch).samples_before[end])
+        return step_epoch
+
+    def train(self) -> dict | None:
+        """Resume if asked, then step to the end; rank 0 returns the final metrics."""
+        cfg, step_gc = self.cfg, self.step_gc
+        self.resume()
+        total = self._open_data()
+        logger = (RunLogger(cfg, self.setup, self.rank, self.world, self.step, total,
+                            loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, self.device))
+                  if self.rank == 0 else None)
+        self.tracker = _StepTracker(self, logger, total)
+        profiler = StepProfiler(cfg.out, self.rank, cfg.profile_start, cfg.profile_steps, self.device)
+        steps_run = 0
+        while self.step < total:
+            profiler.before_step(steps_run)
+            self.tracker.begin()
+            compiles_before = compile_count()
+            epoch = self.train_step(total)
+            warm = steps_run < self._warm_steps()
+            steps_run += 1
+            step_gc.after_step(steps_run, warming_up=warm or self.new_shape)
+            profiler.after_step(steps_run)
+            self.tracker.end(epoch, counts_recompiles=not (warm or self.new_shape), compiles_before=compiles_before)
+            evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == total)
+            save = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == total
+            if evaluate or save:
+                self.tracker.flush(self._heldout_eval() if evaluate else None)
+            if save:
+                self.save()
+                step_gc.full()
+        profiler.close()
+        self.tracker.flush()
+        final = logger.finish(self.tracker.tokens_per_s()) if logger else None
+        del self.feeder
+        if self.slots is not None:
+            self.slots.close()
+        return final
+
+    def _warm_steps(self) -> int:
+        # A compiled DDP wrapper also compiles in its second step: DDP rebuilds its gradient buckets
+        # after the first iteration (in gradient-ready order), which changes dynamo's graph split.
+        ddp_compiled = self.step_fn.ddp is not None and compiled(self.cfg, self.device) and self.cfg.ddp_overlap
+        return 2 if ddp_compiled else 1
+
+    def _heldout_eval(self) -> dict:
+        """Offline tau on the held-out store, on rank 0 (the others wait for it at the next all-reduce)."""
+        if self.rank != 0:
+            return {}
+        from dflash.train.heldout import offline_tau
+
+        setup, fn = self.setup, self.step_fn
+        res = offline_tau(fn.raw, fn.embed, fn.head, setup.eval_store, num_anchors=setup.cfg.num_anchors,
+                          seed=setup.cfg.seed, token_budget=setup.spec.token_budget,
+                          block_budget=setup.spec.block_budget, progress=False)
+        return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+class _StepTracker:
+    """Step timing, recompiles and the deferred metrics records (PendingStep) of a run."""
+
+    def __init__(self, trainer: Trainer, logger: RunLogger | None, total: int):
+        self.t, self.logger, self.total = trainer, logger, total
+        self.compiles0, self.recompiles = compile_count(), 0
+        self.t_last = time.perf_counter()
+        self.host_last = dict(trainer.step_fn.host)
+        self.tokens, self.seconds = 0, 0.0
+        self.pending: PendingStep | None = None
+        self.last_event = None
+
+    def begin(self) -> None:
+        self.wait0, self.gc0 = self.t.feeder.wait_s, self.t.step_gc.timer.total_s
+
+    def end(self, epoch: int, counts_recompiles: bool, compiles_before: int) -> None:
+        t, host = self.t, self.t.step_fn.host
+        if counts_recompiles:
+            self.recompiles += compile_count() - compiles_before
+        now = time.perf_counter()
+        dt, self.t_last = now - self.t_last, now
+        phases, self.host_last = {k: host[k] - self.host_last[k] for k in HOST_PHASES}, dict(host)
+        stats, event = t.stats, None
+        if t.device.type == "cuda":
+            stats = torch.empty(t.stats.shape, dtype=t.stats.dtype, pin_memory=True)
+            stats.copy_(t.stats, non_blocking=True)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.flush()  # the previous step: its sync wait falls in this step's host interval, counted there
+        self.pending = PendingStep(stats, event, t.step, epoch, t.lr, dt, t.feeder.wait_s - self.wait0,
+                                   t.step_gc.timer.total_s - self.gc0, self.recompiles, phases)
+
+    def flush(self, extra: dict | None = None) -> None:
+        """Log the pending step, if any (the only host sync of a step)."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        device_dt = None
+        if p.event is not None:
+            t0 = time.perf_counter()
+            p.event.synchronize()
+            self.t.step_fn.host["sync"] += time.perf_counter() - t0
+            # The step on the device's timeline, end of the previous step to end of this one: the host
+            # runs ahead of the GPU by up to a step, so host intervals swing widely.
+            if self.last_event is not None:
+                device_dt = self.last_event.elapsed_time(p.event) / 1e3
+            self.last_event = p.event
+        stats = StepStats.from_vector(p.stats.tolist(), self.t.cfg.block_size)
+        rec = step_record(p, stats, device_dt, self.t.cfg, self.t.device, compile_count() - self.compiles0)
+        rec.update(extra or {})
+        if p.step > 1 or self.total == 1:
+            self.tokens, self.seconds = self.tokens + rec["ctx_tokens"], self.seconds + p.dt
+        if self.logger:
+            self.logger.log(rec)
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_training(cfg: TrainConfig, device: str = "cpu") -> dict | None:
+    """Train in this process (rank `RANK` of `WORLD_SIZE`, or alone); returns the final metrics."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, **({"device_id": dev} if backend == "nccl" else {}))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        with StepGC(cfg.gc_every) as step_gc:
+            return Trainer(cfg, dev, rank, world, step_gc).train()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
