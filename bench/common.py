@@ -44,7 +44,7 @@ PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16, the datasheet's number
 # Qwen3-8B: the target, and the shape a 5-layer drafter copies from it.
 QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, intermediate_size=12288, vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33])
-# Qwen3-32B: the 27B/32B-class shape (64 target layers; 5 evenly spaced in 1..61 as DESIGN s.2 picks them).
+# Qwen3-32B: the 27B/32B-class shape (64 target layers; 5 evenly spaced in 1..61, docs/DESIGN.md §2).
 QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                  head_dim=128, intermediate_size=25600, vocab_size=151936, target_layer_ids=[1, 16, 31, 46, 61])
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}

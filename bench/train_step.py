@@ -27,7 +27,9 @@ from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s
 from dflash import masks
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import IGNORE, block_loss
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.config import TrainConfig
+from dflash.model import DrafterConfig
+from dflash.train.step import TrainStep
 from step_workload import (FLOP_FORMULAS, TILE, build_batches, create_block_mask_baseline, live_tiles, pin, step_flops,
                            to_device)
 
@@ -43,33 +45,29 @@ class Bench:
             num_target_layers=d["num_hidden_layers"], target_layer_ids=d["target_layer_ids"],
             mask_token_id=d["vocab_size"] - 1, block_size=args.block_size)
         cuda = torch.device(device).type == "cuda"
-        torch.manual_seed(0)
-        with torch.device(device):  # random init straight on the GPU
-            self.raw = DFlashDrafter(self.cfg)
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
-        if self.compiled:
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-            # as dflash.train.trainer does: in place, once, in this main thread (variant cg=1: with CUDA graphs)
-            self.raw.compile(dynamic=False, mode=getattr(args, "compile_mode", None))
-        decay = [p for p in self.raw.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.raw.parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.0}, {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=1e-4, betas=(0.9, 0.95), fused=True)
         dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
         g = torch.Generator(device=device).manual_seed(1)
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
-        self.embed = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
-        self.head = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
+        embed = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
+        head = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)
+        # The trainer's own step (dflash.train.step.TrainStep): model, compile, fused AdamW, clipping, loss.
+        self.tcfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, lr=1e-4, weight_decay=0.0,
+                                betas=(0.9, 0.95), grad_clip=1.0, lm_head_chunk=args.lm_head_chunk,
+                                compile="on" if self.compiled else "off", loss_kernel="compiled")
+        with torch.device(device):  # random init straight on the GPU
+            self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8)
+        self.raw, self.opt = self.train_step.raw, self.train_step.optimizer
+        self.embed, self.head = embed, head
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
         self.n_params = sum(p.numel() for p in self.raw.parameters())
 
     def step(self, m, make_mask, fused: bool, host_syncs: bool, optimizer_step: bool = True):
-        """One optimizer step on one micro-batch already on the device, as dflash.train.trainer runs it (fused
-        loss, label positions and loss denominator from the loader: no host sync) or, with
-        host_syncs and not fused, as it ran before (nonzero() and float(denom) syncs, eager loss)."""
+        """One optimizer step on one micro-batch already on the device for the comparisons only: the
+        create_block_mask baseline (the trainer's step with another mask) and the loop as it ran before
+        (host_syncs, not fused: nonzero() and float(denom) syncs, eager loss).  The measured step of
+        dflash itself is TrainStep (mode "new" in `timed`)."""
         denom = float(m["loss_weight"].sum().double()) if host_syncs else m["loss_weight_sum"]
-        if getattr(self.args, "compile_mode", None) == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # as dflash.train.trainer does with cuda_graphs
         block_mask = make_mask(m["mask"])
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
@@ -106,27 +104,33 @@ class Bench:
         fused, prefetch, host_syncs = mode != "old", mode == "new", mode != "new"
         frames0, graphs0 = counters["frames"]["total"], counters["stats"]["unique_graphs"]
         peaks, losses, reserved, events = [], [], [], []
-        feeder = DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, 1) if prefetch else None
+        own = prefetch and make_mask is masks.to_block_mask  # the trainer's own step
+        accum = getattr(self.args, "accum_this", 1) if own else 1
+        steps = max(1, n // accum) if own else n
+        n = steps * accum
+        feeder = DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, accum) if prefetch else None
+        if own:
+            self.tcfg.lm_head_chunk, self.tcfg.loss_kernel = self.args.lm_head_chunk, getattr(self.args, "loss_kernel",
+                                                                                               "compiled")
+            self.tcfg.grad_accum = accum
         sync(self.device)
         t0 = time.perf_counter()
-        for i in range(n):
+        for i in range(steps):
             if cuda:
                 torch.cuda.reset_peak_memory_stats(self.device)  # host-side allocator counters: no sync
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
                 events.append(ev)
-            if feeder is not None:
-                m = feeder.ready(feeder.take()[0])
+            if own:
+                vec, _ = self.train_step(feeder.take(), feeder, 1e-4, prefetch=i + 1 < steps)
+                losses.append(vec[0] / vec[2])  # ce_sum / weight_sum: the step's loss
             else:
-                m = to_device(batches[i % len(batches)], self.device)
-            accum = getattr(self.args, "accum_this", 1)
-            loss = self.step(m, make_mask, fused, host_syncs, optimizer_step=(i + 1) % accum == 0 or i == n - 1)
-            if feeder is not None:
-                feeder.prefetch()
-            if mode != "new":
-                losses.append(float(loss.detach()))  # the old loop read its metrics every step
-            else:
-                losses.append(loss.detach())
+                m = feeder.ready(feeder.take()[0]) if feeder is not None else to_device(batches[i % len(batches)],
+                                                                                     self.device)
+                loss = self.step(m, make_mask, fused, host_syncs)
+                if feeder is not None:
+                    feeder.prefetch()
+                losses.append(float(loss.detach()) if mode != "new" else loss.detach())  # the old loop synced
             if cuda:
                 peaks.append(torch.cuda.max_memory_allocated(self.device) / 2**30)
                 reserved.append(torch.cuda.max_memory_reserved(self.device) / 2**30)
@@ -136,8 +140,8 @@ class Bench:
             events.append(ev)
         sync(self.device)
         wall = time.perf_counter() - t0
-        if cuda:
-            times = [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
+        if cuda:  # per micro-batch (an accumulated step's time split evenly)
+            times = [a.elapsed_time(b) / 1e3 / accum for a, b in zip(events, events[1:]) for _ in range(accum)]
         else:
             times = [wall / n] * n
         return {"times": times, "wall_per_step": wall / n, "peaks": peaks, "losses": [float(x) for x in losses],
@@ -332,12 +336,10 @@ def parse_variant(spec: str) -> dict:
     fwd = BLOCK_M:BLOCK_N:num_warps:num_stages; bwd = BLOCK_M1:BLOCK_N1:BLOCK_M2:BLOCK_N2:num_warps:num_stages
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
     on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
-    reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); cg=1
-    compiles the drafter with mode="reduce-overhead" (CUDA graphs for its forward and backward: no Python
-    kernel launches, the inputs copied into static buffers); loss=triton runs the per-chunk softmax /
+    reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); loss=triton runs the per-chunk softmax /
     gradient with dflash.train.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
     out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
-           "cdt": False, "cg": False, "loss": "compiled"}
+           "cdt": False, "loss": "compiled"}
     for part in spec.split(","):
         key, _, val = part.strip().partition("=")
         if key == "R":
@@ -352,7 +354,7 @@ def parse_variant(spec: str) -> dict:
             if val not in ("compiled", "triton"):
                 raise SystemExit(f"loss={val!r} in {spec!r}: compiled or triton")
             out["loss"] = val
-        elif key in ("autotune", "profile", "cdt", "cg"):
+        elif key in ("autotune", "profile", "cdt"):
             out[key] = val not in ("0", "")
         elif key == "fwd":
             bm, bn, w, st = (int(x) for x in val.split(":"))
@@ -374,7 +376,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
 
     from dflash import model as dmodel
 
-    current = (None, False, {}, False, False)
+    current = (None, False, {}, False)
     for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
         v = parse_variant(spec)
         key = "v_" + "_".join(p.strip().replace("=", "").replace(":", "-") for p in spec.split(","))
@@ -384,7 +386,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
             res.set(key, {"skipped": f"time: {spent:.0f}s of {limit:.0f}s spent, ~{need:.0f}s needed"})
             continue
         with res.guard(key):
-            want = (v["shape"], v["autotune"], v["flex"], v["cdt"], v["cg"])
+            want = (v["shape"], v["autotune"], v["flex"], v["cdt"])
             if want != current:
                 del bench
                 gc.collect()
@@ -402,7 +404,6 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 dmodel.FLEX_KERNEL_OPTIONS.clear()
                 dmodel.FLEX_KERNEL_OPTIONS.update(v["flex"])
                 t = time.perf_counter()
-                args.compile_mode = "reduce-overhead" if v["cg"] else None
                 bench = Bench(args, tiny, device, v["shape"])
                 res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
                 current = want
@@ -413,7 +414,7 @@ def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S:
                 res.data[f"{key}_config"].update(variant=spec, shape=v["shape"] or "default",
                                                   autotune=v["autotune"], flex_kernel_options=v["flex"],
                                                   accum=v["accum"], coordinate_descent_tuning=v["cdt"],
-                                                  cuda_graphs=v["cg"], loss_kernel=v["loss"])
+                                                  loss_kernel=v["loss"])
                 res.save()
             finally:
                 args.lm_head_chunk, args.profile_this, args.accum_this, args.loss_kernel = chunk0, False, 1, "compiled"

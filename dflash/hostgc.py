@@ -2,9 +2,9 @@
 
 Once a model is loaded and torch.compile has run, a process tracks millions of Python objects (modules,
 FX graphs, guards, sympy expressions).  CPython's automatic collector walks all of them whenever a full
-collection is due, in whichever thread allocated last, holding the GIL: a pause of 0.1-3 s at some
-unpredictable step (a full collection after one small compile already takes ~0.2 s on a CI core).  The
-GPU idles meanwhile; with several processes, one rank's pause holds every rank at the next all-reduce.
+collection is due, in whichever thread allocated last, holding the GIL: a long pause at some
+unpredictable step, longer the more objects set-up left behind.  The GPU idles meanwhile; with several
+processes, one rank's pause holds every rank at the next all-reduce.
 
 Two tools, used by training and by precompute:
 

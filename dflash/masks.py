@@ -3,13 +3,13 @@
 A packed row holds a context stream of `S` tokens (several samples back to back, padded) and a block
 stream of `Q` query tokens (`n_blocks * B`, padded); keys are `[ctx (S), blocks (Q)]`. A query of block
 `j` sees the context keys of its own sample at positions `< anchor_j` and the `B` keys of its own block,
-nothing else (DESIGN section 3).
+nothing else (docs/DESIGN.md §4).
 
 Everything flex_attention needs is derived from the sample ranges and block anchors alone, tile by tile,
 so the DataLoader workers never materialise a `Q x (S+Q)` mask and never evaluate `mask_mod` over every
 element the way flex_attention's own mask builder does (that builder runs compiled code, which must not
-run outside the main thread, and costs ~14 ms a step at Qwen3-8B shapes: docs/BENCHMARKS.md). The main process turns the metadata into
-a `BlockMask` with `BlockMask.from_kv_blocks`.
+run outside the main thread, and costs a noticeable share of every step: docs/BENCHMARKS.md).  The main
+process turns the metadata into a `BlockMask` with `BlockMask.from_kv_blocks`.
 """
 
 from __future__ import annotations

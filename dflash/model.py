@@ -1,6 +1,6 @@
 """The DFlash drafter: a few Qwen3-style decoder layers whose block queries attend to target features.
 
-Semantics follow z-lab's DFlashDraftModel (DESIGN section 2) so an export loads in vLLM / SGLang:
+Semantics follow z-lab's DFlashDraftModel (docs/DESIGN.md §2) so an export loads in vLLM / SGLang:
 
     ctx = hidden_norm(fc(concat of the chosen target layers' hidden states))     # [R, S, H]
     per layer:  x = input_layernorm(h)

@@ -1,4 +1,4 @@
-"""The loader: anchors and labels per DESIGN section 3, packing under budgets, rank splits, resume points."""
+"""The loader: anchors and labels per docs/DESIGN.md §3, packing under budgets, rank splits, resume points."""
 
 import numpy as np
 import pytest

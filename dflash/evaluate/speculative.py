@@ -139,7 +139,7 @@ def speculative_generate(
     """Greedy speculative decoding: the drafter proposes B-1 tokens per step, the target keeps a prefix.
 
     `drafter` is a `DFlashDrafter` on the target's device and dtype; it uses the target's own input
-    embedding and lm_head (DESIGN section 2).
+    embedding and lm_head (docs/DESIGN.md §2).
     """
     from transformers import DynamicCache
 

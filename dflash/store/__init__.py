@@ -1,4 +1,4 @@
-"""The store: a directory of precomputed target hidden states (DESIGN section 4).
+"""The store: a directory of precomputed target hidden states (docs/DESIGN.md §5).
 
     from dflash.store import open_store, verify_store, ShardWriter
 """

@@ -55,7 +55,7 @@ class ShardData:
 
     def rows_into(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
         """rows(name, lo, hi) written into `out` (same dtype, hi - lo rows): Zarr decodes straight into
-        it, which saves the loader a copy of every hidden state it reads (~40% faster on bf16 stores)."""
+        it, which saves the loader a copy of every hidden state it reads."""
         from zarr.core.buffer.cpu import NDBuffer
 
         if hi > self.end:
@@ -132,7 +132,7 @@ class Store:
         return i
 
     def read(self, sample_id: int, fields=None) -> dict[str, torch.Tensor]:
-        """One sample as torch tensors (DESIGN section 6); `fields` limits what is read."""
+        """One sample as torch tensors (docs/DESIGN.md §5); `fields` limits what is read."""
         fields = layout.FIELDS if fields is None else tuple(fields)
         bad = [f for f in fields if f not in layout.FIELDS]
         if bad:

@@ -37,18 +37,14 @@ Readers trust only the committed index (layout.load_committed) and never look pa
 object write poisons the writer: it re-raises the error, and every later call raises StoreError instead of
 committing anything that might refer to the missing object.
 
-Compression (measured on bf16 activation-like data, one core): zstd/blosc-zstd shrink hidden states only
-to ~0.80 of their size at ~0.5 GB/s encode and decode, slower than precompute produces them (~0.6-1.2
-GB/s per GPU) and slower than training reads them, so `hidden` is stored uncompressed by default
-(`hidden_compressor="zstd"` turns it on); ids, masks and top-k use blosc-zstd with byte shuffle (~0.6).
-Checksums are xxh3-64 (~20 GB/s), one per sample per array.  Local filesystems only (fsync).
-Measured on the H200 host (16 cores, local disk, zarr 3.4, bf16, 40 KB/token, fsync on): ~14K tok/s
-(0.6 GB/s) appended+committed by one writer without overlap; Store.read ~22K tok/s per process.
-On zarr >= 3.4 the arrays are written through zarr's FusedCodecPipeline (`fused_pipeline`, same bytes)
-rather than its default pipeline, which encodes every object on zarr's one event-loop thread (the writer
-sustained ~0.93 GB/s on that host with it).  Whole writer, 4 I/O threads, tmpfs, zarr 3.4.2: 1.8 GB/s
-against 1.2-1.3 on a 32-core H200 host (1.5-1.75 against 0.65-1.2 on 2 cores); at 8B, precompute's GPU
-then never waits for the store (docs/BENCHMARKS.md, session 5).
+Compression: zstd/blosc-zstd shrink bf16 hidden states only a little, and encode and decode them slower
+than precompute produces them and training reads them, so `hidden` is stored uncompressed by default
+(`hidden_compressor="zstd"` turns it on); ids, masks and top-k use blosc-zstd with byte shuffle.
+Checksums are xxh3-64, cheap next to the writes, one per sample per array.  Local filesystems only
+(fsync).  Where zarr has it, the arrays are written through zarr's FusedCodecPipeline (`fused_pipeline`,
+same bytes) rather than its default pipeline, which encodes every object on zarr's one event-loop
+thread and then bounds the writer; with it precompute's GPU does not wait for the store.  Write rates
+are in docs/BENCHMARKS.md.
 `dflash.store.pipeline.WritePipeline` runs a ShardWriter on a thread of its own so that precompute's GPU
 never waits for it.
 """
@@ -112,7 +108,7 @@ class ShardWriter:
         durable: bool = True,  # fsync at commits (power-loss safety); kill -9 safety holds either way
         overlap_io: bool = True,  # write Zarr objects on I/O threads (False: inline, on the caller's thread)
         io_threads: int = 4,  # object writes in flight at once, each on its own thread, to other objects
-        # (4: 23.9K tok/s against 19.0K with 2 for an 8B target on one H200, bf16; docs/BENCHMARKS.md)
+        # (4 rather than 2: precompute of an 8B target ran faster with 4; docs/BENCHMARKS.md)
         # encode objects on the I/O threads, each with its own event loop, instead of through zarr's synchronous
         # API (one event-loop thread for all); no gain measured (CPU only), and zarr >= 3.4's fused pipeline (below)
         # takes the encoding off that thread anyway

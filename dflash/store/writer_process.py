@@ -2,9 +2,9 @@
 
 Why a process: WritePipeline's writer thread shares the GIL with the thread that drives the GPU.
 Zarr's asyncio machinery, numpy and the commit bookkeeping hold the GIL often enough to slow the
-target's forward, which Python launches op by op: on an H200 (Qwen3-8B shape) a capture ran 7% slower
-beside a writer thread doing a precompute's writes, and at full speed beside a writer process doing the
-same (bench/precompute_bench.py, passes capture_bg_thread / capture_bg_process; docs/BENCHMARKS.md).
+target's forward, which Python launches op by op: a capture runs measurably slower beside a writer
+thread doing a precompute's writes, and at full speed beside a writer process doing the same
+(bench/precompute_bench.py, passes capture_bg_thread / capture_bg_process; docs/BENCHMARKS.md).
 
     main process: GPU thread           main process: "dflash-store-handoff"    writer process
     submit(): encode on the device,    waits for the copy's CUDA event, then    ShardWriter.append_encoded
@@ -160,7 +160,7 @@ class ProcessWritePipeline(WritePipeline):
             while not self._done.wait(0.2):
                 if not self._proc.is_alive() and not self._threads[1].is_alive():
                     break
-            # After "done" the shard is closed and durable; the child's interpreter teardown (~0.5 s with
+            # After "done" the shard is closed and durable; the child's interpreter teardown (slow with
             # torch loaded) need not be waited for: multiprocessing reaps it later.
             self._proc.join(0.05 if self._error is None and self._done.is_set() else 60)
             if self._proc.is_alive() and not self._done.is_set():

@@ -9,8 +9,7 @@ Capture never waits for the GPU: real positions are found from `lengths` on the 
 indexing on the device (a host sync each, after which the GPU idles until the main thread has queued
 more work).  The top-k reads the logits in the model's dtype and takes the fp32 log-normaliser in one
 fused pass (compiled on GPU) instead of materialising fp32 log-softmax over 152k entries per position.
-Together: capture at 0.915 of the bare forward instead of 0.884 for an 8B target on an H200
-(docs/BENCHMARKS.md, session 3).
+Together they bring capture closer to the bare forward's speed (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -102,19 +102,20 @@ def tokenizer_hash(target_dir: str | Path) -> str:
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """As many layers as the drafter has, evenly spaced from 1 to num_target_layers - 3 (DESIGN s.2).
+    """As many layers as the drafter has, evenly spaced from 1 to num_target_layers - 3 (docs/DESIGN.md §2).
 
     Shallow targets (the embedded default has 4 layers) cannot hold that many distinct layers in
-    [1, L-3]; then the whole depth [0, L-1] is used so the layers stay distinct.
+    [1, L-3]; then [0, L-2] is used.  Never the last layer: the engines feed the drafter the stream
+    entering layer i+1, which does not exist for i = L-1.
     """
     n, L = num_draft_layers, num_target_layers
     if n == 1:
         return [L // 2]
     lo, hi = 1, L - 3
     if hi - lo + 1 < n:
-        lo, hi = 0, L - 1
+        lo, hi = 0, L - 2
     if hi - lo + 1 < n:
-        return list(range(L))
+        return list(range(min(n, L)))
     step = (hi - lo) / (n - 1)
     return [int(round(lo + i * step)) for i in range(n)]
 

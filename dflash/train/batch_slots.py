@@ -3,11 +3,11 @@
 Why: a DataLoader worker otherwise builds each micro-batch's context features (~670 MB at Qwen3-8B width,
 4 rows of 4096 tokens) in a fresh shared-memory segment.  The training process then maps it, the
 DataLoader's pin-memory thread copies it into page-locked memory, and the segment is unmapped and its
-pages freed when the batch is dropped, in the pin-memory thread with the GIL held: on an H200 host py-spy
-found that thread holding the GIL three times as often as the training thread.  Page-locked memory grows
-with the micro-batches in flight (workers x 4, ~21 GB per GPU at 8B).  With slots the pin-memory thread
-holds the GIL 10x less, host memory is bounded (~8 GB per GPU there) and one host copy per micro-batch
-is gone; the step itself was not faster (it was not held back by that GIL; docs/BENCHMARKS.md, session 5).
+pages freed when the batch is dropped, in the pin-memory thread with the GIL held, so that thread
+competes with the training thread for the GIL.  Page-locked memory grows with the micro-batches in
+flight (workers x 4).  With slots the pin-memory thread rarely takes the GIL, host memory is bounded by
+the number of slots and one host copy per micro-batch is gone; the step itself did not get faster (it
+was not held back by that GIL; docs/BENCHMARKS.md).
 
 Here the training process makes `num_slots` buffers once, in shared memory, page-locked with
 cudaHostRegister on a GPU.  Workers attach to them at start (the DataLoader hands them the dataset, and

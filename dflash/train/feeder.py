@@ -13,7 +13,7 @@ class DeviceFeeder:
     while the current one computes.
 
     A packed 4096-token row at Qwen3-8B width carries ~170 MB of context features; copied on the compute
-    stream, that is several ms per step in front of the forward.  Here the copies (from the DataLoader's
+    stream, that copy would sit in front of every step's forward.  Here the copies (from the DataLoader's
     pinned memory) run on a side CUDA stream, issued by `prefetch()` once the current step's first
     micro-batch is queued; `ready(item)` makes the compute stream wait for that micro-batch's copy only.
     Everything runs in the training thread.  On CPU it is a pass-through.  `wait_s` accumulates the time

@@ -57,7 +57,7 @@ def summarize(taus: np.ndarray, block_size: int, correct: np.ndarray | None = No
 def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, num_anchors: int = 64,
                 seed: int = 0, max_samples: int | None = None, token_budget: int | None = None,
                 block_budget: int | None = None, progress: bool = True) -> dict:
-    """Greedy acceptance length of `drafter` on a held-out store (DESIGN section 3 semantics).
+    """Greedy acceptance length of `drafter` on a held-out store (docs/DESIGN.md §3, §6).
 
     embed / lm_head: the target's frozen [V, H] tensors (they are moved to the drafter's device).
     Anchors come from dflash.train.loader with (seed, epoch 0): the same blocks for every checkpoint.

@@ -26,7 +26,7 @@ TILE = masks.TILE
 
 
 # ---------------------------------------------------------------------------------------------------
-# per-sample semantics (DESIGN section 3)
+# per-sample semantics (docs/DESIGN.md §3)
 
 
 def eligible_anchors(loss_mask: np.ndarray) -> np.ndarray:

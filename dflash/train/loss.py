@@ -6,7 +6,7 @@ chunk by chunk, the loss *and* the gradient with respect to the drafter's output
 so that is the only gradient needed) and keeps only the latter, `[N, H]`, for backward.  The loss is a
 sum of per-position terms, so backward just scales the stored gradient by the incoming scalar.
 
-Semantics (DESIGN section 3): block position k (1..B-1) predicts the token at anchor + k with weight
+Semantics (docs/DESIGN.md §3): block position k (1..B-1) predicts the token at anchor + k with weight
 exp(-(k-1)/gamma); the loss is the weighted mean over valid labels, normalised by a denominator the
 caller passes in (the global sum of weights of the optimizer step, so that several micro-batches and
 several processes give exactly the gradient of one big batch).  The KD term compares the drafter with

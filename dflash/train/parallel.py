@@ -1,8 +1,8 @@
 """Data parallelism for the drafter: DDP (the default) or FSDP2, applied before compilation.
 
-Gradients are all-reduced in fp32. All-reducing them in bf16 instead (a DDP comm hook: half the bytes)
-was measured on two NVLink H200s and ran 1.2% slower, with 3.6 GB more memory for the bf16 copies:
-the all-reduce overlaps the backward there, so it had little to save (docs/BENCHMARKS.md, session 7).
+Gradients are all-reduced in fp32.  A bf16 all-reduce (a DDP comm hook: half the bytes) was tried and
+dropped: the fp32 all-reduce already overlaps the backward, so there was little to save, and the casts
+and bf16 copies cost more time and memory than the bytes saved (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -104,17 +104,23 @@ def _balanced_order(batches: list, ctx: np.ndarray, blk: np.ndarray, spec: Loade
     cost, in random order inside the step, and the steps come in random order.
 
     A step lasts as long as its slowest process; with a random order the ranks' block-token counts differ
-    by up to 4x (1 to 4 samples in a row), and every rank waits for the heaviest.  The steps themselves
-    stay in random order: grouping whole runs of steps by cost (an earlier version) put steps of similar
-    sample lengths back to back and cost the embedded default 10% of its held-out tau.  The leftover
-    n % balance_group micro-batches, the cheapest, come last, where the sampler leaves an epoch's tail out."""
+    widely (a row holds 1 to 4 samples), and every rank waits for the heaviest.  The steps themselves
+    stay in random order: grouping whole runs of steps by cost puts steps of similar sample lengths back
+    to back, which costs held-out tau (docs/BENCHMARKS.md).  The leftover
+    n % balance_group micro-batches, drawn at random, come last, where the sampler leaves an epoch's tail out."""
     n, G = len(batches), max(1, int(spec.balance_group))
     shuffled = rng.permutation(n)
     if G == 1:
         return shuffled
     keys = [batch_cost(batches[i], ctx, blk, spec) for i in shuffled]  # ties broken by the shuffle
     by_cost = shuffled[sorted(range(n), key=keys.__getitem__)]
-    tail, body = by_cost[: n % G], by_cost[n % G :]
+    # The leftover micro-batches are drawn at random.  Taking the cheapest ones (an earlier version) left
+    # out the same samples in every epoch: the store's shortest, packed into the same cheap last rows
+    # each epoch (one length-sorted window up to 4096 samples), so they were never trained at all.
+    left = np.zeros(n, dtype=bool)
+    if n % G:
+        left[rng.choice(n, size=n % G, replace=False)] = True
+    tail, body = by_cost[left], by_cost[~left]
     steps = body.reshape(-1, G)[rng.permutation(len(body) // G)]
     steps = np.stack([s[rng.permutation(G)] for s in steps]) if len(steps) else steps
     return np.concatenate([steps.reshape(-1), tail])

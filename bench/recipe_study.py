@@ -1,0 +1,218 @@
+"""The recipe study (docs/RECIPE.md): held-out tau against training cost, one factor at a time from a
+baseline, several seeds, on one or more setups (a target, its train and held-out conversations).
+
+    python bench/recipe_study.py --setup default:data/target:data/train.jsonl:data/heldout.jsonl \
+        [--setup b:DIR:TRAIN:HELDOUT] [--configs base,lr6e-4,...] [--seeds 0,1] [--parallel 8] \
+        [--steps 500] [--work /tmp/recipe] [--out $OUT]
+
+For each setup it precomputes a train and a held-out store per target-layer set the configs need (the
+real `dflash precompute`), then runs the real `dflash train` for every (setup, config, seed), up to
+--parallel at once on the same device (`--gpus 0` on a GPU), with `--eval-every` on the held-out store, so
+metrics.jsonl holds the held-out tau curve.  Cost per run: wall seconds (shared device, see RECIPE.md),
+and the drafter's training FLOPs counted from the tokens it processed (`train_flops`).  Results:
+$OUT/recipe.json (one record per run, with its curve) and, with --plot, $OUT/recipe_tau_vs_flops.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+
+# name -> overrides of params.yaml's train section (target_layers picks the store)
+CONFIGS: dict[str, dict] = {
+    "base": {},
+    "lr6e-4": {"lr": 6e-4},
+    "lr1e-3": {"lr": 1e-3},
+    "anchors512": {"num_anchors": 512},
+    "anchors512_bb4096": {"num_anchors": 512, "block_budget": 4096},
+    "anchors512_bb8192": {"num_anchors": 512, "block_budget": 8192},
+    "anchors256_bb8192": {"num_anchors": 256, "block_budget": 8192},
+    "bb8192": {"block_budget": 8192},
+    "beta2_0.999": {"betas": [0.9, 0.999]},
+    "wd0.01": {"weight_decay": 0.01},
+    "minlr0": {"min_lr_ratio": 0.0},
+    "gamma7": {"gamma": 7.0},
+    "kd0.5": {"kd_weight": 0.5},
+    "rows2": {"rows_per_batch": 2},
+    "tb4096": {"token_budget": 4096, "block_budget": 4096},
+    "layers03": {"target_layers": [0, 3]},
+    "peer": {"lr": 6e-4, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999], "weight_decay": 0.01,
+             "min_lr_ratio": 0.0},
+    "base_1500": {"steps": 1500},  # the baseline at the FLOPs of bb8192's 500 steps
+    "bb8192_lr6e-4": {"block_budget": 8192, "lr": 6e-4},
+    "bb8192_beta2_0.999": {"block_budget": 8192, "betas": [0.9, 0.999]},
+    "bb16384": {"block_budget": 16384},
+    "peer_lr2e-3": {"lr": 2e-3, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999],
+                    "weight_decay": 0.01, "min_lr_ratio": 0.0},
+}
+
+
+def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}:\n" + log.read_text()[-2000:])
+    return time.perf_counter() - t
+
+
+def dflash(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash.cli", *args]
+
+
+def train_flops(cfg: dict, target: dict, ctx_tokens: float, block_tokens: float) -> float:
+    """Matmul FLOPs of the drafter's training (forward + backward = 3x forward) for the tokens processed:
+    fc over the context features, K/V projections of the context in every layer, the layers on the block
+    tokens, attention (block queries against context and block keys, counted dense over the packed row),
+    and the frozen lm_head on every block token (its backward to the hidden states only: 2x forward)."""
+    H, L = target["hidden_size"], cfg["num_layers"]
+    heads, kv, hd = target["num_attention_heads"], target["num_key_value_heads"], target.get("head_dim") or H // target["num_attention_heads"]
+    inter, V, n_feat = target["intermediate_size"], target["vocab_size"], len(cfg["target_layers"])
+    qkvo = H * heads * hd * 2 + H * kv * hd * 2
+    layer = qkvo + 3 * H * inter
+    fwd = 2 * ctx_tokens * (n_feat * H * H + L * H * kv * hd * 2) + 2 * block_tokens * L * layer
+    lm_head = 2 * block_tokens * H * V
+    return 3 * fwd + 2 * lm_head
+
+
+def precompute(setup: dict, layers: list[int], work: Path, gpus: str) -> dict:
+    """Train and held-out stores of `setup` with these target layers, both precomputed at once."""
+    key = "l" + "_".join(map(str, layers))
+    out = {split: work / setup["name"] / f"{split}_{key}" for split in ("train", "heldout")}
+    cmds = [dflash("precompute", "--config", str(work / "none.yaml"), "--target", setup["target"], "--data",
+                   setup[split], "--out", str(store), "--gpus", gpus, "--max-length", "1024", "--compile", "off",
+                   "--target-layers", ",".join(map(str, layers))) for split, store in out.items()]
+    with ThreadPoolExecutor(2) as pool:  # threads only wait on the two subprocesses
+        list(pool.map(lambda c: sh(c[1], work / f"{setup['name']}_{c[0]}_{key}.log"), enumerate(cmds)))
+    return out
+
+
+def run_one(job: dict) -> dict:
+    run = Path(job["run"])
+    params = {"train": {**BASE, "steps": job["steps"], **job["overrides"], "store": str(job["stores"]["train"]),
+                        "target": job["target"], "out": str(run), "gpus": job["gpus"], "seed": job["seed"],
+                        "eval_store": str(job["stores"]["heldout"]), "eval_every": job["eval_every"],
+                        "save_every": 0, "compile": job["compile"]}}
+    params["train"].pop("target_layers", None)
+    run.mkdir(parents=True, exist_ok=True)
+    cfg_path = run.parent / f"{run.name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(params))
+    wall = sh(dflash("train", "--config", str(cfg_path), "--overwrite"), run.parent / f"{run.name}.log")
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    curve = [(r["step"], r["eval_tau"]) for r in recs if "eval_tau" in r]
+    ctx = sum(r["ctx_tokens"] for r in recs)
+    # block tokens of a step = its block-token rate x its interval (the interval is ctx tokens / ctx rate)
+    blk = sum(r["block_tokens_per_s"] * r["ctx_tokens"] / r["ctx_tokens_per_s"] for r in recs if r["ctx_tokens_per_s"])
+    target = json.loads((Path(job["target"]) / "config.json").read_text())
+    merged = {**BASE, **job["overrides"], "target_layers": job["layers"]}
+    return {"setup": job["setup"], "config": job["name"], "seed": job["seed"], "overrides": job["overrides"],
+            "heldout_tau": curve[-1][1] if curve else None, "curve": curve, "train_tau_last": recs[-1]["tau"],
+            "wall_s": round(wall, 1), "ctx_tokens": ctx, "block_tokens": round(blk),
+            "samples": sum(r["samples"] for r in recs), "train_flops": train_flops(merged, target, ctx, blk),
+            "steps": recs[-1]["step"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--setup", action="append", required=True, help="NAME:TARGET_DIR:TRAIN_JSONL:HELDOUT_JSONL")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names (default: all)")
+    ap.add_argument("--configs-b", default=None, help="configs for the second and later setups (default: --configs)")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--gpus", default=None, help="default: 0 when CUDA is present, else cpu:1")
+    ap.add_argument("--compile", default="off")
+    ap.add_argument("--work", default="/tmp/recipe")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recipe_out"))
+    ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    args = ap.parse_args()
+    import torch
+
+    gpus = args.gpus or ("0" if torch.cuda.is_available() else "cpu:1")
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (work / "none.yaml").write_text("{}\n")
+    from dflash.target.files import default_target_layers
+
+    setups = []
+    for i, spec in enumerate(args.setup):
+        name, target, train, heldout = spec.split(":")
+        names = (args.configs_b or args.configs) if i else args.configs
+        setups.append({"name": name, "target": target, "train": train, "heldout": heldout,
+                       "configs": [c for c in names.split(",") if c]})
+    jobs, t0, stores_of = [], time.perf_counter(), {}
+    for s in setups:
+        n_target = json.loads((Path(s["target"]) / "config.json").read_text())["num_hidden_layers"]
+        for c in s["configs"]:
+            layers = CONFIGS[c].get("target_layers") or default_target_layers(n_target, BASE["num_layers"])
+            if (s["name"], tuple(layers)) not in stores_of:
+                stores_of[s["name"], tuple(layers)] = precompute(s, layers, work, "0" if gpus != "cpu:1" else "cpu")
+                print(f"stores {s['name']} {layers} after {time.perf_counter() - t0:.0f}s", flush=True)
+            stores = stores_of[s["name"], tuple(layers)]
+            for seed in [int(x) for x in args.seeds.split(",")]:
+                jobs.append({"setup": s["name"], "name": c, "overrides": CONFIGS[c], "seed": seed, "layers": layers,
+                             "stores": stores, "target": s["target"], "gpus": gpus, "steps": args.steps,
+                             "eval_every": args.eval_every, "compile": args.compile,
+                             "run": str(work / s["name"] / "runs" / f"{c}_s{seed}")})
+    print(f"precompute done in {time.perf_counter() - t0:.0f}s; {len(jobs)} runs", flush=True)
+    results = []
+
+    def one(job):
+        if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
+            print(json.dumps({"skipped": f"{job['setup']} {job['name']} s{job['seed']}"}), flush=True)
+            return None
+        try:
+            r = run_one(job)
+        except Exception as e:  # noqa: BLE001  (a failed run is recorded, the study goes on)
+            r = {"setup": job["setup"], "config": job["name"], "seed": job["seed"], "error": str(e)[-1500:]}
+        print(json.dumps({k: v for k, v in r.items() if k != "curve"}), flush=True)
+        results.append(r)
+        (out / "recipe.json").write_text(json.dumps({"runs": results, "device": torch.cuda.get_device_name(0)
+                                                     if torch.cuda.is_available() else "cpu",
+                                                     "parallel": args.parallel, "steps": args.steps}, indent=1))
+        return r
+
+    with ThreadPoolExecutor(args.parallel) as pool:  # threads only wait on subprocesses here
+        list(pool.map(one, jobs))
+    print(f"study done in {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.plot:
+        plot(results, out / "recipe_tau_vs_flops.png")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    setups = sorted({r["setup"] for r in results if "heldout_tau" in r})
+    fig, axes = plt.subplots(1, len(setups), figsize=(7 * len(setups), 5), squeeze=False)
+    for ax, s in zip(axes[0], setups):
+        rs = [r for r in results if r.get("setup") == s and r.get("heldout_tau") is not None]
+        for c in sorted({r["config"] for r in rs}):
+            pts = [(r["train_flops"] / 1e15, r["heldout_tau"]) for r in rs if r["config"] == c]
+            ax.scatter(*zip(*pts), label=c, s=18)
+        ax.set_xlabel("drafter training PFLOPs")
+        ax.set_ylabel("held-out tau")
+        ax.set_title(f"setup {s}")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
