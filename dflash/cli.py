@@ -9,16 +9,19 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
+import typing
 
 import click
 
 from dflash.config import (
+    FIELDS,
     EvalConfig,
     ExportConfig,
     PrecomputeConfig,
     TrainConfig,
     build_config,
     default_config_path,
+    show_default,
 )
 from dflash.errors import DFlashError
 
@@ -60,6 +63,35 @@ config_option = click.option(
 )
 
 
+def _click_type(tp):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    base = args[0] if typing.get_origin(tp) is not None and args and typing.get_origin(tp) not in (list, tuple) else tp
+    return {int: int, float: float}.get(base, str)  # lists and tuples: comma-separated strings
+
+
+def options_from(cls, skip: tuple[str, ...] = ()):
+    """One click option per field of the config dataclass `cls`, its help taken from the field: written
+    once in dflash/config.py.  Defaults stay None here, so that build_config knows which flags were given."""
+    hints = typing.get_type_hints(cls)
+
+    def decorate(fn):
+        for name, f in reversed(list(FIELDS[cls].items())):
+            if name in skip:
+                continue
+            flag = "--" + name.replace("_", "-")
+            default = show_default(f)
+            text = f.metadata["help"] + (f" [default: {default}]" if default != "-" else "")
+            if hints[name] is bool:
+                fn = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=text)(fn)
+            elif f.metadata.get("choices"):
+                fn = click.option(flag, name, type=click.Choice(f.metadata["choices"]), help=text)(fn)
+            else:
+                fn = click.option(flag, name, type=_click_type(hints[name]), help=text)(fn)
+        return fn
+
+    return decorate
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks for user errors too.")
 @click.version_option(package_name="dflash")
@@ -79,27 +111,7 @@ def main(debug: bool) -> None:
 
 @main.command()
 @config_option
-@click.option("--target", help="Local directory of the target (any AutoModelForCausalLM).")
-@click.option("--data", help="Conversations: json/jsonl/parquet/arrow file or a saved datasets directory.")
-@click.option("--out", help="Store directory to write (resumed when it exists).")
-@click.option("--shards", type=int, help="Number of shards = processes (one per GPU). Default 1.")
-@click.option("--gpus", help="'0,1,2,3,4' (one per shard), 'cpu', or 'auto' (CUDA when present).")
-@click.option("--target-layers", help="Comma-separated 0-based target layers to capture, e.g. 1,9,17,25,33.")
-@click.option("--num-draft-layers", type=int, help="Drafter depth used to pick default target layers.")
-@click.option("--max-length", type=int, help="Truncate samples longer than this many tokens.")
-@click.option("--topk", type=int, help="Target top-k log-probs stored per position (0 = off). Default 8.")
-@click.option("--hidden-dtype", type=click.Choice(["bf16", "fp8"]), help="Stored hidden-state format.")
-@click.option("--token-budget", type=int, help="Tokens per target forward batch.")
-@click.option("--max-samples", type=int, help="Use only the first N dataset rows.")
-@click.option("--split", help="Split to read from a saved DatasetDict (default train).")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]),
-              help="torch.compile the top-k reduction (auto: on for CUDA).")
-@click.option("--writer", type=click.Choice(["process", "thread"]),
-              help="Where the store is written: a process per shard (default; keeps the GIL free for the GPU) or a thread.")
-@click.option("--trust-remote-code", is_flag=True, default=None, help="Allow the target's own code.")
-@click.option("--overwrite", is_flag=True, default=None, help="Delete an existing store and start over.")
-@click.option("--restart-changed", is_flag=True, default=None,
-              help="Start over when the existing store was made from other inputs (pipelines); else resume.")
+@options_from(PrecomputeConfig)
 @user_errors
 def precompute(config, **flags):
     """Run the target over a dataset and write hidden states, top-k and loss masks to a store.
@@ -128,47 +140,7 @@ def verify(store, quick):
 
 @main.command()
 @config_option
-@click.option("--store", help="Store written by `dflash precompute`.")
-@click.option("--target", help="Target directory (frozen embedding and lm_head are read from it).")
-@click.option("--out", help="Run directory (metrics, checkpoints, TensorBoard events).")
-@click.option("--gpus", help="'5,6,7' = one process per GPU; 'cpu:N' = N CPU processes (gloo).")
-@click.option("--block-size", type=int, help="Tokens per drafted block (default 16).")
-@click.option("--num-layers", type=int, help="Drafter layers.")
-@click.option("--mask-token-id", type=int, help="Token id used for masked block positions.")
-@click.option("--steps", type=int, help="Total optimizer steps (overrides --epochs).")
-@click.option("--epochs", type=float, help="Epochs over the store.")
-@click.option("--lr", type=float, help="Peak learning rate.")
-@click.option("--token-budget", type=int, help="Context tokens per packed row.")
-@click.option("--num-anchors", type=int, help="Anchors (blocks) per sample per epoch.")
-@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.")
-@click.option("--rows-per-batch", type=int,
-              help="Packed rows per micro-batch (default 1; 4 on an H200 at 8B shape: +7 MFU points, see docs/BENCHMARKS.md).")
-@click.option("--kd-weight", type=float, help="Weight of the KD term against the stored top-k.")
-@click.option("--num-workers", type=int, help="DataLoader worker processes per training process.")
-@click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), help="Data parallelism (default ddp).")
-@click.option("--balance-steps/--no-balance-steps", default=None,
-              help="Order each epoch's micro-batches so that the processes of a step get ones of similar cost "
-                   "(default), or at random.")
-@click.option("--batch-slots/--no-batch-slots", default=None,
-              help="Workers hand over context features in reusable shared, page-locked slots (default) or in a "
-                   "fresh shared tensor per micro-batch that the DataLoader pins.")
-@click.option("--ddp-overlap/--no-ddp-overlap", default=None,
-              help="DDP: all-reduce gradients during the backward (default) or after it.")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="torch.compile the drafter.")
-@click.option("--loss-kernel", type=click.Choice(["compiled", "triton"]),
-              help="The lm_head chunks' softmax and gradient: dflash's Triton kernel (default; CUDA and KD off, "
-                   "elsewhere it falls back to the compiled path) or torch.compile'd.")
-@click.option("--gc-every", type=int,
-              help="Collect Python garbage every N steps instead of at random ones (default 50; 0 = Python's automatic GC).")
-@click.option("--profile-steps", type=int,
-              help="Profile this many steps in every process (kernel table + Chrome trace in <out>/profile/).")
-@click.option("--profile-start", type=int, help="Steps of this run before profiling starts (default 5).")
-@click.option("--save-every", type=int, help="Checkpoint every N steps (and at the end).")
-@click.option("--eval-every", type=int, help="Offline tau on --eval-store every N steps.")
-@click.option("--eval-store", help="Held-out store for --eval-every.")
-@click.option("--seed", type=int, help="Seed for anchors, data order and init.")
-@click.option("--resume", is_flag=True, default=None, help="Continue from the newest checkpoint in --out.")
-@click.option("--overwrite", is_flag=True, default=None, help="Delete an existing run directory first.")
+@options_from(TrainConfig)
 @user_errors
 def train(config, **flags):
     """Train a DFlash drafter from a store, one process per GPU."""
@@ -180,15 +152,7 @@ def train(config, **flags):
 
 @main.command(name="eval")
 @config_option
-@click.option("--run", help="Run directory or checkpoint directory.")
-@click.option("--store", help="Held-out store: offline acceptance length.")
-@click.option("--prompts", help="Held-out conversations: online speculative decoding against the target.")
-@click.option("--target", help="Target directory (online mode).")
-@click.option("--out", help="Output JSON (default RUN/eval.json).")
-@click.option("--max-samples", type=int, help="Evaluate at most N samples or prompts.")
-@click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt (online).")
-@click.option("--device", help="'auto', 'cpu' or 'cuda:0'.")
-@click.option("--plots/--no-plots", default=None, help="Write PNG plots beside the JSON.")
+@options_from(EvalConfig)
 @user_errors
 def eval_(config, **flags):
     """Measure acceptance length tau offline (store) or online (speculative decoding, lossless check)."""
@@ -204,13 +168,13 @@ def eval_(config, **flags):
 @main.command()
 @click.argument("source", type=click.Path())
 @click.argument("out", type=click.Path())
-@click.option("--check", is_flag=True, help="Reload the export and compare its logits with the training model.")
+@options_from(ExportConfig, skip=("source", "out"))
 @user_errors
-def export(source, out, check):
+def export(source, out, **flags):
     """Write a run or checkpoint as a DFlashDraftModel directory that vLLM and SGLang load."""
     from dflash.evaluate.export import run_export
 
-    run_export(ExportConfig(source=source, out=out, check=check))
+    run_export(build_config(ExportConfig, None, {"source": source, "out": out, **flags}))
 
 
 if __name__ == "__main__":

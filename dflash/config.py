@@ -19,112 +19,145 @@ import yaml
 from dflash.errors import ConfigError
 
 
+def opt(default: Any = None, help: str = "", choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text, written once: `dflash <command> --help`, docs/OPTIONS.md and
+    params.yaml's documentation all read it from here."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+AUTO_ON_OFF = ("auto", "on", "off")
+
+
 @dataclass
 class PrecomputeConfig:
-    target: str = ""  # local directory of an AutoModelForCausalLM checkpoint
-    data: str = ""  # json/jsonl/parquet/arrow file(s) or a saved `datasets` directory
-    out: str = ""  # store directory
-    shards: int = 1  # processes, one per GPU; under torchrun the world size wins
-    gpus: str = "auto"  # "auto" (CUDA if present), "cpu", or "0,1,2"
-    target_layers: list[int] | None = None  # 0-based; None = DESIGN default for `num_draft_layers`
-    num_draft_layers: int = 5  # only used to pick default target layers
-    max_length: int = 2048  # longer samples are truncated (and counted)
-    topk: int = 8  # stored target top-k log-probs per position; 0 = off
-    hidden_dtype: str = "bf16"  # bf16 | fp8
-    token_budget: int = 16384  # tokens per forward batch (padded length x rows)
-    lm_head_chunk: int = 4096  # positions per lm_head chunk when computing top-k
-    commit_every_tokens: int = 32768  # a shard commits (becomes durable, resumable) every N tokens
-    store_chunk_tokens: int | None = None  # Zarr inner chunk in tokens (None: ~4 MB of hidden states)
-    split: str = "train"  # split to read from a saved DatasetDict
-    max_samples: int | None = None  # read only the first N rows (smoke tests)
-    dtype: str = "auto"  # target compute dtype: auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
-    compile: str = "auto"  # torch.compile the top-k log-prob reduction: auto (on for CUDA) | on | off
-    writer: str = "process"  # the store's writer: a process of its own (process) or a thread of the shard's (thread)
-    trust_remote_code: bool = False
-    overwrite: bool = False
-    restart_changed: bool = False  # start over (instead of refusing) when the store's inputs changed
-    seed: int = 0
+    """`dflash precompute`: run the target over a dataset and write a store (docs/DESIGN.md §5)."""
+
+    target: str = opt("", "Local directory of the target checkpoint (any AutoModelForCausalLM).")
+    data: str = opt("", "Conversations: json/jsonl/parquet/arrow file(s) or a saved `datasets` directory.")
+    out: str = opt("", "Store directory to write; rerunning the same command resumes it.")
+    shards: int = opt(1, "Shards = processes, one per GPU; under torchrun the world size wins.")
+    gpus: str = opt("auto", "'auto' (CUDA when present), 'cpu', or GPU ids '0,1,2,3,4' (one per shard).")
+    target_layers: list[int] | None = opt(
+        None, "0-based target layers to capture, e.g. 1,9,17,25,33 (the output of layer i); "
+        "default: evenly spaced for --num-draft-layers, never the last layer (docs/DESIGN.md §2).")
+    num_draft_layers: int = opt(5, "Drafter depth the default target layers are chosen for.")
+    max_length: int = opt(2048, "Samples longer than this many tokens are truncated (and counted).")
+    topk: int = opt(8, "Target top-k log-probs stored per position, for KD; 0 = off.")
+    hidden_dtype: str = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
+                            "half the bytes).", ("bf16", "fp8"))
+    token_budget: int = opt(16384, "Tokens per target forward batch (padded length x rows).")
+    lm_head_chunk: int = opt(4096, "Positions per lm_head chunk when computing the top-k.")
+    commit_every_tokens: int = opt(32768, "A shard commits (becomes durable and resumable) every N tokens.")
+    store_chunk_tokens: int | None = opt(None, "Zarr inner chunk in tokens; default ~4 MB of hidden states.")
+    split: str = opt("train", "Split to read from a saved DatasetDict.")
+    max_samples: int | None = opt(None, "Read only the first N rows (smoke tests).")
+    dtype: str = opt("auto", "Target compute dtype: auto = bf16 on GPU, fp32 on CPU.", ("auto", "bf16", "fp32"))
+    compile: str = opt("auto", "torch.compile the top-k log-prob reduction (auto: on for CUDA).", AUTO_ON_OFF)
+    writer: str = opt("process", "Where the store is written: a process per shard (keeps the GIL free for the "
+                      "GPU) or a thread of the shard's process.", ("process", "thread"))
+    trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
+    overwrite: bool = opt(False, "Delete an existing store and start over.")
+    restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
+                                "other inputs (for pipelines); a store of the same inputs is resumed.")
+    seed: int = opt(0, "Seed of the shard split.")
 
 
 @dataclass
 class TrainConfig:
-    store: str = ""
-    target: str = ""  # the target checkpoint: embedding and lm_head are read from it, frozen
-    out: str = ""  # run directory
-    gpus: str = "cpu:1"  # "5,6,7" (one process per GPU) or "cpu:N" (N gloo processes)
+    """`dflash train`: train a drafter from a store, one process per device (docs/DESIGN.md §3, §7)."""
+
+    store: str = opt("", "Store written by `dflash precompute`.")
+    target: str = opt("", "The target checkpoint: its embedding and lm_head are read from it, frozen.")
+    out: str = opt("", "Run directory: metrics, TensorBoard events, checkpoints.")
+    gpus: str = opt("cpu:1", "'5,6,7' = one process per GPU; 'cpu:N' = N CPU processes (gloo).")
     # drafter shape
-    block_size: int = 16
-    num_layers: int = 1
-    mask_token_id: int | None = None  # None = a spare id of the target's embedding table
-    target_layers: list[int] | None = None  # None = the store's; else must equal the store's
+    block_size: int = opt(16, "Tokens per drafted block.")
+    num_layers: int = opt(1, "Drafter layers.")
+    mask_token_id: int | None = opt(None, "Token id of the masked block positions; default a spare id of the "
+                                    "target's embedding table.")
+    target_layers: list[int] | None = opt(None, "Target layers the drafter reads; default (and required) the "
+                                          "store's.")
     # schedule
-    steps: int | None = None  # total optimizer steps; None = derived from epochs
-    epochs: float = 1.0
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    grad_accum: int = 1
+    steps: int | None = opt(None, "Total optimizer steps; default derived from --epochs.")
+    epochs: float = opt(1.0, "Epochs over the store (when --steps is not given).")
+    lr: float = opt(6e-4, "Peak learning rate (AdamW).")
+    min_lr_ratio: float = opt(0.1, "The cosine schedule ends at lr x this.")
+    warmup_steps: int = opt(20, "Linear warm-up steps.")
+    weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
+    betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95.")
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = off.")
+    grad_accum: int = opt(1, "Micro-batches per process per optimizer step.")
     # data
-    token_budget: int = 4096  # context tokens per packed row
-    block_budget: int | None = None  # block (query) tokens per packed row; None = token_budget
-    num_shapes: int = 3  # padded S and Q each come from this many multiples of 128 (budget, /2, /4)
-    rows_per_batch: int = 1  # packed rows per micro-batch per process
-    num_anchors: int = 64  # anchors per sample per epoch (upper bound)
-    num_workers: int = 2  # DataLoader worker processes per training process
-    balance_steps: bool = True  # each step's micro-batches (one per process) of similar cost (plan._balanced_order)
-    batch_slots: bool = True  # context features in reusable shared, page-locked slots (dflash.train.batch_slots)
-    seed: int = 0
+    token_budget: int = opt(4096, "Context tokens per packed row (longer samples are cut to it).")
+    block_budget: int | None = opt(None, "Block (query) tokens per packed row; default = --token-budget.  It also "
+                                   "caps the blocks of one sample at block_budget / block_size.")
+    num_shapes: int = opt(3, "Padded row shapes per stream: multiples of 128 at budget, /2, /4, ...")
+    rows_per_batch: int = opt(1, "Packed rows per micro-batch per process (4 on an H200 at the 8B shape, "
+                              "docs/BENCHMARKS.md).")
+    num_anchors: int = opt(64, "Anchors (blocks) drawn per sample per epoch, at most.")
+    num_workers: int = opt(2, "DataLoader worker processes per training process (masks are built there).")
+    balance_steps: bool = opt(True, "Give the processes of a step micro-batches of similar cost (else a random "
+                              "order).")
+    batch_slots: bool = opt(True, "Workers hand over context features in reusable shared, page-locked slots, "
+                            "instead of a fresh shared tensor per micro-batch.")
+    seed: int = opt(0, "Seed of anchors, data order and initialisation.")
     # loss
-    gamma: float | None = None  # None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2-1
-    kd_weight: float = 0.0
-    kd_temperature: float = 1.0
-    lm_head_chunk: int = 2048  # block positions per lm_head + loss chunk
-    # the lm_head chunks' softmax / gradient: triton (dflash.train.loss_kernel, 2x the compiled kernel's speed on an
-    # H200; where it cannot run, KD on or no CUDA, it falls back to compiled) | compiled (torch.compile)
-    loss_kernel: str = "triton"
+    gamma: float | None = opt(None, "Position weight decay exp(-(k-1)/gamma); default 7 for B=16, 5 for B=10, "
+                              "4 for B=8, else B/2-1.")
+    kd_weight: float = opt(0.0, "Weight of the KD term against the stored top-k.")
+    kd_temperature: float = opt(1.0, "Temperature of the KD term.")
+    lm_head_chunk: int = opt(2048, "Block positions per lm_head + loss chunk.")
+    loss_kernel: str = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
+                           "off; elsewhere it falls back) or torch.compile'd.", ("triton", "compiled"))
     # systems
-    parallel: str = "ddp"  # ddp | fsdp
-    ddp_overlap: bool = True  # DDP: all-reduce buckets during the backward (compile the wrapper); False: after it
-    compile: str = "auto"  # auto (on for CUDA) | on | off
-    precision: str = "auto"  # auto (bf16 autocast on CUDA) | bf16 | fp32
+    parallel: str = opt("ddp", "Data parallelism.", ("ddp", "fsdp"))
+    ddp_overlap: bool = opt(True, "DDP: all-reduce gradients during the backward (else after it).")
+    compile: str = opt("auto", "torch.compile the drafter (auto: on for CUDA).", AUTO_ON_OFF)
+    precision: str = opt("auto", "auto = bf16 autocast on CUDA, fp32 on CPU.", ("auto", "bf16", "fp32"))
     # bookkeeping
-    save_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    eval_every: int = 0  # offline tau on `eval_store` every N steps; 0 = off
-    eval_store: str | None = None
-    gc_every: int = 50  # Python GC: young generations every N steps, set-up frozen (dflash.hostgc); 0 = automatic
-    profile_steps: int = 0  # torch.profiler over this many steps per process (0 = off): <out>/profile/
-    profile_start: int = 5  # ... starting after this many steps of this run (compile and warm-up done)
-    resume: bool = False
-    overwrite: bool = False
+    save_every: int = opt(0, "Checkpoint every N steps (and always at the end); 0 = only at the end.")
+    keep_checkpoints: int = opt(2, "Checkpoints kept in the run directory (the newest).")
+    eval_every: int = opt(0, "Held-out tau on --eval-store every N steps (metrics.jsonl `eval_tau`, TensorBoard); "
+                          "0 = off.")
+    eval_store: str | None = opt(None, "Held-out store for --eval-every.")
+    gc_every: int = opt(50, "Collect Python garbage every N steps, in step on every process; 0 = Python's own.")
+    profile_steps: int = opt(0, "torch.profiler over this many steps per process: <out>/profile/; 0 = off.")
+    profile_start: int = opt(5, "Steps of this run before profiling starts (after compilation and warm-up).")
+    resume: bool = opt(False, "Continue from the newest checkpoint in --out.")
+    overwrite: bool = opt(False, "Delete an existing run directory first.")
 
 
 @dataclass
 class EvalConfig:
-    run: str = ""  # run directory or checkpoint directory
-    store: str | None = None  # held-out store: offline tau
-    prompts: str | None = None  # held-out conversations: online speculative decoding
-    target: str | None = None  # needed online (and when the run does not record it)
-    out: str | None = None  # default RUN/eval.json
-    plots: bool = True
-    max_samples: int | None = None
-    max_new_tokens: int = 128
-    num_anchors: int = 64
-    device: str = "auto"
-    dtype: str = "fp32"  # online target + drafter dtype: fp32 keeps the lossless check exact; bf16 = serving speed
-    seed: int = 0
+    """`dflash eval`: offline tau on a held-out store, or online speculative decoding (docs/DESIGN.md §6)."""
+
+    run: str = opt("", "Run directory or checkpoint directory.")
+    store: str | None = opt(None, "Held-out store: offline acceptance length.")
+    prompts: str | None = opt(None, "Held-out conversations: online speculative decoding against the target.")
+    target: str | None = opt(None, "Target directory (online; offline only when the run does not record it).")
+    out: str | None = opt(None, "Output JSON; default RUN/eval.json.")
+    plots: bool = opt(True, "Write PNG plots beside the JSON.")
+    max_samples: int | None = opt(None, "Evaluate at most N samples or prompts.")
+    max_new_tokens: int = opt(128, "Tokens to generate per prompt (online).")
+    num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
+    device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
+    dtype: str = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
+                     "serving speed.", ("fp32", "bf16"))
+    seed: int = opt(0, "Seed of the held-out anchors.")
 
 
 @dataclass
 class ExportConfig:
-    source: str = ""  # run directory or checkpoint directory
-    out: str = ""
-    check: bool = False
-    dtype: str = "bf16"  # weights dtype of the export (bf16 | fp16 | fp32); --check rounds the reference alike
+    """`dflash export SOURCE OUT`: a DFlashDraftModel directory the serving engines load (docs/DESIGN.md §6)."""
+
+    source: str = opt("", "Run directory or checkpoint directory.")
+    out: str = opt("", "Export directory.")
+    check: bool = opt(False, "Reload the export and compare its logits with the training model.")
+    dtype: str = opt("bf16", "Weights dtype of the export; --check rounds the reference alike.",
+                     ("bf16", "fp16", "fp32"))
 
 
 SECTIONS: dict[type, str] = {
@@ -213,15 +246,48 @@ def build_config(cls: type, config_path: str | os.PathLike | None, overrides: di
                 f"{config_path}: unknown option `{key}` in section `{section}`; "
                 f"valid options are: {', '.join(sorted(names))}."
             )
-        values[k] = _coerce(k, hints[k], value, f"{config_path} [{section}]")
+        values[k] = _check_choice(cls, k, _coerce(k, hints[k], value, f"{config_path} [{section}]"),
+                                  f"{config_path} [{section}]")
     for key, value in overrides.items():
         if value is None:
             continue
         k = key.replace("-", "_")
         if k not in names:
             raise ConfigError(f"unknown option --{key.replace('_', '-')} for `{section}`.")
-        values[k] = _coerce(k, hints[k], value, "command line")
+        values[k] = _check_choice(cls, k, _coerce(k, hints[k], value, "command line"), "command line")
     return cls(**values)
+
+
+def _check_choice(cls: type, name: str, value: Any, origin: str) -> Any:
+    choices = FIELDS[cls][name].metadata.get("choices")
+    if choices and value is not None and value not in choices:
+        raise ConfigError(f"{origin}: `{name}` = {value!r} is not one of {', '.join(choices)}; pick one of them.")
+    return value
+
+
+def show_default(f: dataclasses.Field) -> str:
+    d = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    if d is None or d == "":
+        return "-"
+    if isinstance(d, (list, tuple)):
+        return ",".join(map(str, d))
+    return str(d).lower() if isinstance(d, bool) else str(d)
+
+
+def options_markdown() -> str:
+    """docs/OPTIONS.md: every option of every command, from the fields' help (tests check it is current)."""
+    lines = ["# Options", "", "Generated from dflash/config.py by `python -m dflash.config > docs/OPTIONS.md`; "
+             "a test checks it is current.", "", "Each command reads its section of `params.yaml` (`--config`, "
+             "default `./params.yaml` when present); a flag given on the command line wins.", ""]
+    for cls, section in SECTIONS.items():
+        lines += [f"## `{section}`", "", (cls.__doc__ or "").strip(), "", "| option | default | meaning |",
+                  "| --- | --- | --- |"]
+        for f in dataclasses.fields(cls):
+            choices = f.metadata.get("choices")
+            text = f.metadata.get("help", "") + (f" One of: {', '.join(choices)}." if choices else "")
+            lines.append(f"| `{f.name}` (`--{f.name.replace('_', '-')}`) | `{show_default(f)}` | {text} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def to_dict(cfg) -> dict[str, Any]:
@@ -229,6 +295,10 @@ def to_dict(cfg) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
+
+FIELDS: dict[type, dict[str, dataclasses.Field]] = {
+    cls: {f.name: f for f in dataclasses.fields(cls)} for cls in SECTIONS
+}
 
 __all__ = [
     "PrecomputeConfig",
@@ -240,3 +310,7 @@ __all__ = [
     "to_dict",
     "field",
 ]
+
+
+if __name__ == "__main__":
+    print(options_markdown())
