@@ -27,10 +27,10 @@ import os
 import time
 from types import SimpleNamespace
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import Results, elapsed, median, part_limit_s, sync, tiny_mode
 from dflash import masks
 from dflash.train import plan as P
@@ -82,9 +82,9 @@ def main() -> None:
     sh = shapes(tiny)
     res = Results("balance", tiny=tiny, device=device, limit_s=limit, rows_per_batch=R, reps=reps, shapes=sh)
 
-    from dflash.train import loader as L
     from dflash.config import TrainConfig
     from dflash.store import open_store
+    from dflash.train import loader as L
 
     with res.guard("store"):
         _, store_dir, mask_id = build_store(tiny, res)

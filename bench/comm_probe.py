@@ -16,11 +16,11 @@ import os
 import subprocess
 import time
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import Results
 
 

@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import ROOT, Results, dims, elapsed, make_fake_target, median, out_dir, part_limit_s, tiny_mode, work_dir
 from dflash.train.trainer import HOST_PHASES
 
@@ -102,8 +102,8 @@ def drop_page_cache() -> str | None:
 
 def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batches: int, cap_s: float) -> dict:
     """Pull micro-batches from the real training DataLoader; rates exclude the workers' start-up."""
-    from dflash.train import loader as L
     from dflash.store import open_store
+    from dflash.train import loader as L
 
     sh = shapes(tiny)
     spec = L.LoaderSpec(block_size=sh["block_size"], num_anchors=sh["num_anchors"], token_budget=sh["token_budget"],

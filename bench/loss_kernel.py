@@ -106,7 +106,9 @@ def run_rows(res: Results, c: int, V: int, configs, args, device: str) -> None:
     for block, warps in configs:
         key = f"c{c}_triton_B{block}_w{warps}"
         with res.guard(key):
-            fn = lambda x: loss_kernel.fused_ce_terms(x, y, w, block=block, num_warps=warps)  # noqa: E731
+            def fn(x, block=block, warps=warps):  # this iteration's config, bound now
+                return loss_kernel.fused_ce_terms(x, y, w, block=block, num_warps=warps)
+
             t0 = time.perf_counter()
             out = fn(fresh())
             first = time.perf_counter() - t0

@@ -27,14 +27,23 @@ import shutil
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import Results, dims, elapsed, part_limit_s, sync, tiny_mode, work_dir
 from dflash import hostgc
-from precompute_workload import (TOPK, background_writer, batches_of, build_target, capture_and_write,
-                                 capture_before_class, dir_bytes, make_store, sequences)
+from precompute_workload import (
+    TOPK,
+    background_writer,
+    batches_of,
+    build_target,
+    capture_and_write,
+    capture_before_class,
+    dir_bytes,
+    make_store,
+    sequences,
+)
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
               "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 two_gpus_capture io2 serial")

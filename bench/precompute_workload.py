@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import dims, sync
 
 TOPK = 8
@@ -99,7 +99,7 @@ def write_batch(sink, capture, members, device, hidden_dtype: str) -> None:
     from dflash.precompute import shard
 
     todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
-    precompute_shard._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
+    shard._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
 
 
 def make_store(path: Path, tiny: bool, hidden_dtype: str, num_shards: int) -> None:

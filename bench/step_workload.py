@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
-from dflash.train import loader as L
+import common  # noqa: F401  (puts the repo root on sys.path)
 from dflash import masks
 from dflash.model import DrafterConfig
+from dflash.train import loader as L
 
 TILE = masks.TILE
 
@@ -117,7 +117,7 @@ def live_tiles(meta) -> int:
 
 def step_flops(c: DrafterConfig, R: int, S: int, Q: int, n_labels: int, tiles: int) -> dict:
     """FLOPs of one training step, by component (see 'formulas' in the result)."""
-    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size
+    H, I, V = c.hidden_size, c.intermediate_size, c.vocab_size  # noqa: E741  (I: the intermediate size, as in the formulas)
     nh, nkv, hd, Ly = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.num_hidden_layers
     fc = 2 * R * S * (c.num_features * H) * H
     per_layer = (2 * R * Q * H * nh * hd            # q_proj (block tokens)

@@ -19,19 +19,27 @@ import os
 import time
 from contextlib import nullcontext
 
-import common  # noqa: F401  (puts the repo root on sys.path)
 import numpy as np
 import torch
 
+import common  # noqa: F401  (puts the repo root on sys.path)
 from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s, pctl, sync, tiny_mode
 from dflash import masks
-from dflash.train.feeder import DeviceFeeder
-from dflash.train.loss import IGNORE, block_loss
 from dflash.config import TrainConfig
 from dflash.model import DrafterConfig
+from dflash.train.feeder import DeviceFeeder
+from dflash.train.loss import IGNORE, block_loss
 from dflash.train.step import TrainStep
-from step_workload import (FLOP_FORMULAS, TILE, build_batches, create_block_mask_baseline, live_tiles, pin, step_flops,
-                           to_device)
+from step_workload import (
+    FLOP_FORMULAS,
+    TILE,
+    build_batches,
+    create_block_mask_baseline,
+    live_tiles,
+    pin,
+    step_flops,
+    to_device,
+)
 
 
 class Bench:
@@ -230,7 +238,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
         with res.guard("mask_timing"):
             meta_dev = to_device(batches[0]["mask"], bench.device)
             reps = 10 if bench.tiny else 20
-            md = [t_ for a, kw in calls[: 2 * R] for t_ in time_fn(lambda: masks.mask_metadata(*a, **kw), "cpu", 5)]
+            md = [t_ for a, kw in calls[: 2 * R] for t_ in time_fn(lambda a=a, kw=kw: masks.mask_metadata(*a, **kw), "cpu", 5)]
             tb = time_fn(lambda: masks.to_block_mask(meta_dev), bench.device, reps)
             cb = time_fn(lambda: create_block_mask_baseline(meta_dev), bench.device, reps)
             bm1, bm2 = masks.to_block_mask(meta_dev), create_block_mask_baseline(meta_dev)
@@ -369,7 +377,7 @@ def parse_variant(spec: str) -> dict:
     return out
 
 
-def run_variants(res: Results, bench: "Bench", args, tiny: bool, device: str, S: int, Q: int, k: int, limit: float) -> None:
+def run_variants(res: Results, bench: Bench, args, tiny: bool, device: str, S: int, Q: int, k: int, limit: float) -> None:
     """$BENCH_VARIANTS / --variants: ';'-separated step configurations (see parse_variant), each measured
     like a rows config; a new shape, flex tile choice or autotuning gets a freshly built, compiled drafter."""
     import gc

@@ -87,7 +87,7 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int = 16,
-                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None) -> "DrafterConfig":
+                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None) -> DrafterConfig:
         """Copy the target's layer shape (as z-lab does); `num_layers` drafter layers."""
         from dflash.target.files import default_target_layers
 
@@ -165,7 +165,7 @@ class DrafterConfig:
         return d
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+    def from_hf_dict(cls, d: dict) -> DrafterConfig:
         dc = d.get("dflash_config") or {}
         nh = d["num_attention_heads"]
         theta, scaling = _rope_of(d)
@@ -325,7 +325,7 @@ class MLP(nn.Module):
         super().__init__()
         from transformers.activations import ACT2FN
 
-        H, I = cfg.hidden_size, cfg.intermediate_size
+        H, I = cfg.hidden_size, cfg.intermediate_size  # noqa: E741  (I: the intermediate size)
         self.gate_proj = nn.Linear(H, I, bias=False)
         self.up_proj = nn.Linear(H, I, bias=False)
         self.down_proj = nn.Linear(I, H, bias=False)

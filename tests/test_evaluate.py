@@ -141,8 +141,7 @@ def test_eos_stops_both_loops_identically(setup):
 
 def test_block_acceptance_counts_leading_correct_predictions():
     from dflash.train.heldout import summarize
-    from dflash.train.loss import block_acceptance
-    from dflash.train.loss import IGNORE, block_stats
+    from dflash.train.loss import IGNORE, block_acceptance, block_stats
 
     b = 4
     labels = torch.tensor([[0, 5, 6, 7, 0, 5, 6, 7, 0, 5, IGNORE, 7, 0, IGNORE, IGNORE, IGNORE]])
@@ -280,8 +279,8 @@ def test_trained_drafter_beats_untrained_on_embedded_default(tmp_path):
 
 def compare_trained_and_untrained(target_dir, train_data, heldout_data, tmp, layers, steps):
     from dflash.config import EvalConfig, PrecomputeConfig, TrainConfig
-    from dflash.evaluate.run import load_prompts, offline_tau, online_eval, run_eval
     from dflash.evaluate.export import load_training_drafter
+    from dflash.evaluate.run import load_prompts, offline_tau, online_eval, run_eval
     from dflash.model import DFlashDrafter
     from dflash.precompute.run import run_precompute
     from dflash.store import open_store

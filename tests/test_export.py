@@ -21,9 +21,9 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, checkpoint dir, drafter, target dir): a 2-layer drafter saved by dflash.checkpoint."""
-    from dflash.train.checkpoint import save_checkpoint
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.target.files import target_config
+    from dflash.train.checkpoint import save_checkpoint
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("export")
@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():  # non-trivial norms, so a swapped or missing norm weight shows in the logits
-        for name, p in drafter.named_parameters():
+        for p in drafter.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     run_dir = tmp / "run"

@@ -52,10 +52,9 @@ def test_every_zero_leaves_python_in_charge():
 
 @pytest.mark.slow
 def test_training_collects_on_schedule_and_restores_gc(tmp_path):
-    from train_fixtures import build_counting_store
-
     from dflash.config import TrainConfig
     from dflash.train.launch import launch_train
+    from train_fixtures import build_counting_store
 
     target, store = build_counting_store(tmp_path / "data", n=24)
     cfg = TrainConfig(store=str(store), target=str(target), out=str(tmp_path / "run"), gpus="cpu:1", block_size=8,

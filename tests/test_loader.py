@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.train import loader as L
 from dflash import masks
 from dflash.errors import DataError
+from dflash.train import loader as L
 from dflash.train.loss import IGNORE, position_weights
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from dflash.chat import conversation_of, load_rows, render
 from dflash.cli import main
 from dflash.config import PrecomputeConfig
-from dflash.chat import conversation_of, load_rows, render
 from dflash.errors import StoreError
 from dflash.precompute.run import run_precompute
 from dflash.precompute.shard import plan_batches

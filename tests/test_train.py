@@ -253,8 +253,8 @@ def test_user_errors(counting, tmp_path):
 def test_mask_token_choice(counting):
     from transformers import AutoTokenizer
 
-    from dflash.train.preflight import resolve_mask_token
     from dflash.store import open_store
+    from dflash.train.preflight import resolve_mask_token
 
     target, store = counting
     s = open_store(store)
@@ -272,8 +272,8 @@ def test_mask_token_reserved_and_unused(counting, tmp_path):
     """A tokenizer with <|mask|> and reserved tokens but no spare row: the first one the store never uses."""
     from transformers import AutoTokenizer
 
-    from dflash.train.preflight import resolve_mask_token
     from dflash.store import open_store
+    from dflash.train.preflight import resolve_mask_token
 
     target, store = counting
     tok = AutoTokenizer.from_pretrained(target)
@@ -402,8 +402,8 @@ def test_clipping_inside_fused_adamw_matches_clip_grad_norm():
 
 
 def test_banner_states_the_host_memory_of_batch_slots(counting, tmp_path, capsys):
-    from dflash.train.loader import shape_set
     from dflash.store import open_store
+    from dflash.train.loader import shape_set
 
     target, store = counting
     cfg = _cfg(target, store, tmp_path / "run", steps=1, num_workers=2, rows_per_batch=2)

@@ -58,8 +58,8 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     """(DFlashDrafter in fp32 eval mode, checkpoint dir, train_config dict) from a run or checkpoint dir."""
     from safetensors.torch import load_file
 
-    from dflash.train.checkpoint import resolve_checkpoint
     from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.train.checkpoint import resolve_checkpoint
 
     src = Path(run_or_checkpoint)
     if not src.exists():

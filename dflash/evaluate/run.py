@@ -17,11 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from dflash.config import EvalConfig
-from dflash.errors import ConfigError, DataError, DFlashError, StoreError
+from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.train.heldout import offline_tau, summarize
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ Both loops emit the prefill's greedy token first, then stop after an eos token (
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import PrecomputeConfig, to_dict
 from dflash.chat import conversation_of, dataset_fingerprint, load_rows, render
+from dflash.config import PrecomputeConfig, to_dict
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.store import create_or_check_manifest, read_manifest

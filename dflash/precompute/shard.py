@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from dflash import hostgc
-from dflash.config import PrecomputeConfig
 from dflash.chat import conversation_of, load_rows, render
+from dflash.config import PrecomputeConfig
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
 from dflash.store.pipeline import WritePipeline

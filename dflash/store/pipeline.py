@@ -147,7 +147,7 @@ class WritePipeline:
             raise
         self._enqueue(_Item(slot, [(sid, row, ids, mask, o, n) for _, sid, row, ids, mask, o, n in meta], host, slot.event))
 
-    def _enqueue(self, item: "_Item") -> None:
+    def _enqueue(self, item: _Item) -> None:
         self._work.put(item)
 
     def committed_sample_ids(self) -> set[int]:

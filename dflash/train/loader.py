@@ -10,7 +10,6 @@ training process only turns the metadata into a BlockMask (masks.to_block_mask).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import multiprocessing as mp
 
@@ -20,7 +19,15 @@ import torch
 from dflash import masks
 from dflash.errors import DataError
 from dflash.train.loss import IGNORE, position_weights
-from dflash.train.plan import EpochPlan, LoaderSpec, batch_cost, fit_shape, plan_epoch, round_up, shape_set  # (re-exported below)
+from dflash.train.plan import (  # (re-exported below)
+    EpochPlan,
+    LoaderSpec,
+    batch_cost,
+    fit_shape,
+    plan_epoch,
+    round_up,
+    shape_set,
+)
 
 TILE = masks.TILE
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from dflash.train.batch_slots import default_num_slots
 from dflash.config import TrainConfig
+from dflash.train.batch_slots import default_num_slots
 from dflash.train.loader import PREFETCH_FACTOR, batch_bytes
 from dflash.train.preflight import Setup, truncate_metrics
 

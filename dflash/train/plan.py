@@ -15,6 +15,7 @@ short list of multiples of 128 (`shape_set`), so a compiled drafter sees a handf
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from dflash.errors import DataError

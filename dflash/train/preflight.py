@@ -20,7 +20,6 @@ from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
 from dflash.train.loader import LoaderSpec
 
-
 MASK_SOURCE_ENV = "DFLASH_MASK_TOKEN_SOURCE"
 
 

@@ -226,7 +226,10 @@ class TrainStep:
         """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and
         one process (so a checkpoint resumes under any of them); collective under FSDP2: all ranks call."""
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return (get_model_state_dict(self.raw, options=opts),
@@ -234,7 +237,10 @@ class TrainStep:
 
     def load_state_dict(self, model_state: dict, optim_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.raw, model_state, options=opts)

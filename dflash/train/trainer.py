@@ -30,7 +30,7 @@ from dflash.train.batch_slots import BatchSlots, default_num_slots
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import loss_kernel_note
 from dflash.train.metrics import RunLogger, StepProfiler, step_record
-from dflash.train.preflight import prepare_run_dir, preflight
+from dflash.train.preflight import preflight, prepare_run_dir
 from dflash.train.step import HOST_PHASES, StepStats, TrainStep, compile_count, compiled, lr_at
 
 __all__ = ["Trainer", "run_training", "lr_at", "HOST_PHASES", "StepStats"]
