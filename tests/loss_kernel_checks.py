@@ -1,7 +1,7 @@
 """Checks of dflash.train.loss_kernel's Triton kernel on the CPU, through Triton's interpreter.
 
 Triton binds its language functions to the interpreter when it is imported with TRITON_INTERPRET=1, so
-these run in a fresh process started with it (tests/test_loss_kernel.py does that, once for all
+these run in a fresh process started with it (tests/train/test_loss_kernel.py does that, once for all
 checks): `python tests/loss_kernel_checks.py [name ...]` prints one JSON line {name: "ok" | traceback}.
 """
 

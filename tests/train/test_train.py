@@ -64,7 +64,7 @@ def _args(cfg: TrainConfig, where: Path) -> list[str]:
 
 def _env(extra_path: Path | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    paths = [str(Path(__file__).parent.parent)] + ([str(extra_path)] if extra_path else [])
+    paths = [str(Path(__file__).resolve().parents[2])] + ([str(extra_path)] if extra_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     return env
 

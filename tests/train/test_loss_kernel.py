@@ -17,7 +17,7 @@ import loss_kernel_checks  # noqa: E402
 from dflash.train import loss_kernel  # noqa: E402
 from dflash.train.loss import block_loss, reference_block_loss  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

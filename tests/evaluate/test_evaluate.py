@@ -20,7 +20,7 @@ import torch
 
 from helpers import make_conversations_jsonl, make_tiny_target
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 B = 8
 
 

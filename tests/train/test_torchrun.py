@@ -16,7 +16,7 @@ import pytest
 from dflash.store import open_store, verify_store
 from helpers import make_conversations_jsonl
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(*args, cwd):

@@ -337,7 +337,7 @@ def test_worker_waiting_for_a_slot_dies_with_its_trainer(tmp_path):
 
     script, pidfile = tmp_path / "parent.py", tmp_path / "worker.pid"
     script.write_text(_ORPHAN_PARENT)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     parent = subprocess.Popen([sys.executable, str(script), str(pidfile)], env=env, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while not pidfile.is_file():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dflash"
 
 SHARED = {"dflash", "dflash.config", "dflash.errors", "dflash.model", "dflash.masks", "dflash.chat", "dflash.hostgc"}
