@@ -194,25 +194,41 @@ def main() -> None:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Held-out tau against training FLOPs, per setup: every run's curve (its --eval-every points, FLOPs
+    taken proportional to the step), one colour per config, both seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setups = sorted({r["setup"] for r in results if "heldout_tau" in r})
-    fig, axes = plt.subplots(1, len(setups), figsize=(7 * len(setups), 5), squeeze=False)
+    setups = sorted({r["setup"] for r in results if r.get("heldout_tau") is not None})
+    fig, axes = plt.subplots(1, len(setups), figsize=(7.5 * len(setups), 5.5), squeeze=False)
     for ax, s in zip(axes[0], setups):
         rs = [r for r in results if r.get("setup") == s and r.get("heldout_tau") is not None]
-        for c in sorted({r["config"] for r in rs}):
-            pts = [(r["train_flops"] / 1e15, r["heldout_tau"]) for r in rs if r["config"] == c]
-            ax.scatter(*zip(*pts), label=c, s=18)
-        ax.set_xlabel("drafter training PFLOPs")
-        ax.set_ylabel("held-out tau")
+        configs = sorted({r["config"] for r in rs})
+        colours = plt.cm.tab20(range(len(configs)))
+        for colour, c in zip(colours, configs):
+            for i, r in enumerate(x for x in rs if x["config"] == c):
+                steps, taus = zip(*r["curve"])
+                flops = [r["train_flops"] * st / r["steps"] / 1e12 for st in steps]
+                ax.plot(flops, taus, "-o", ms=2.5, lw=1, color=colour, label=c if i == 0 else None)
+        ax.set_xlabel("drafter training TFLOPs")
+        ax.set_ylabel("held-out tau (offline)")
         ax.set_title(f"setup {s}")
-        ax.legend(fontsize=6, ncol=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
+def plot_files(files: list[str], path: str) -> None:
+    """python bench/recipe_study.py --plot-from A.json B.json ... OUT.png"""
+    runs = [r for f in files for r in json.loads(Path(f).read_text())["runs"] if r]
+    plot(runs, Path(path))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 2 and sys.argv[1] == "--plot-from":
+        plot_files(sys.argv[2:-1], sys.argv[-1])
+    else:
+        main()
