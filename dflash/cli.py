@@ -120,7 +120,7 @@ def precompute(config, **flags):
     """
     from dflash.precompute.run import run_precompute
 
-    cfg = build_config(PrecomputeConfig, _config_path(config), flags)
+    cfg = build_config(PrecomputeConfig, _config_path(config), flags, explicit=config is not None)
     run_precompute(cfg)
 
 
@@ -146,7 +146,7 @@ def train(config, **flags):
     """Train a DFlash drafter from a store, one process per GPU."""
     from dflash.train.launch import launch_train
 
-    cfg = build_config(TrainConfig, _config_path(config), flags)
+    cfg = build_config(TrainConfig, _config_path(config), flags, explicit=config is not None)
     launch_train(cfg)
 
 
@@ -158,7 +158,7 @@ def eval_(config, **flags):
     """Measure acceptance length tau offline (store) or online (speculative decoding, lossless check)."""
     from dflash.evaluate.run import run_eval
 
-    cfg = build_config(EvalConfig, _config_path(config), flags)
+    cfg = build_config(EvalConfig, _config_path(config), flags, explicit=config is not None)
     if not cfg.store and not cfg.prompts:
         raise click.UsageError("give --store HELDOUT_STORE (offline) or --prompts PATH --target DIR (online).")
     result = run_eval(cfg)

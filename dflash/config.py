@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,8 +230,17 @@ def load_params(path: str | os.PathLike | None) -> dict[str, Any]:
     return data
 
 
-def build_config(cls: type, config_path: str | os.PathLike | None, overrides: dict[str, Any]):
-    """Dataclass defaults, then params.yaml's section for `cls`, then `overrides` (flags given)."""
+# Options that run code from elsewhere: taken from the command line or a config file named with --config,
+# never from a ./params.yaml picked up implicitly (a checkout's file should not turn them on unseen).
+EXPLICIT_ONLY = ("trust_remote_code",)
+
+
+def build_config(cls: type, config_path: str | os.PathLike | None, overrides: dict[str, Any],
+                 explicit: bool = True):
+    """Dataclass defaults, then params.yaml's section for `cls`, then `overrides` (flags given).
+
+    `explicit`: the config file was named (--config), not found as ./params.yaml; an implicit one may not
+    turn on an EXPLICIT_ONLY option.  trust_remote_code, when on, is announced on stderr."""
     section = SECTIONS[cls]
     params = load_params(config_path)
     yaml_section = params.get(section) or {}
@@ -248,6 +258,14 @@ def build_config(cls: type, config_path: str | os.PathLike | None, overrides: di
             )
         values[k] = _check_choice(cls, k, _coerce(k, hints[k], value, f"{config_path} [{section}]"),
                                   f"{config_path} [{section}]")
+        if k in EXPLICIT_ONLY and values[k] and not explicit and overrides.get(k) is None:
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(
+                f"{config_path}: `{key}: true` in section `{section}` was read from a params.yaml found in the "
+                f"current directory, not named with --config; {k} runs the target's own Python code, so it is "
+                f"taken only from the command line ({flag}) or from a file passed with --config {config_path}. "
+                "Pass one of those, or remove the key."
+            )
     for key, value in overrides.items():
         if value is None:
             continue
@@ -255,6 +273,10 @@ def build_config(cls: type, config_path: str | os.PathLike | None, overrides: di
         if k not in names:
             raise ConfigError(f"unknown option --{key.replace('_', '-')} for `{section}`.")
         values[k] = _check_choice(cls, k, _coerce(k, hints[k], value, "command line"), "command line")
+    if values.get("trust_remote_code"):
+        origin = "the command line" if overrides.get("trust_remote_code") else str(config_path)
+        print(f"dflash: trust_remote_code is on (from {origin}): the target's own Python code will be run.",
+              file=sys.stderr, flush=True)
     return cls(**values)
 
 

@@ -24,3 +24,7 @@ class TargetError(DFlashError):
 
 class StoreError(DFlashError):
     """A store that is missing, corrupt or does not match what the caller needs."""
+
+
+class LockedError(DFlashError):
+    """A store or run directory that another live command is writing (dflash/locks.py)."""

@@ -13,7 +13,9 @@ One shard's work (batch plan, capture, pipelined writes, resume) is dflash/preco
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import os
 import sys
 import time
@@ -25,6 +27,7 @@ import torch
 from dflash.chat import conversation_of, dataset_fingerprint, load_rows, render
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
+from dflash.locks import dir_lock
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
@@ -269,17 +272,53 @@ def _inputs_changed(cfg: PrecomputeConfig, out: Path, manifest: dict) -> bool:
     return False
 
 
+def check_overwritable(out: Path) -> None:
+    """--overwrite deletes only a dflash store (a manifest.json with a format_version) or an empty directory."""
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_dir() and not out.is_symlink():
+        if not any(out.iterdir()):
+            return
+        try:
+            m = json.loads((out / MANIFEST).read_text())
+        except (OSError, ValueError):
+            m = None
+        if isinstance(m, dict) and "format_version" in m:
+            return
+    raise ConfigError(
+        f"--overwrite would delete {out}, but it is not a dflash store (no {MANIFEST} written by precompute) "
+        "nor an empty directory. Refusing to delete it: remove it yourself if it is yours to delete, or choose "
+        "another --out."
+    )
+
+
 def run_precompute(cfg: PrecomputeConfig) -> dict:
-    """Validate, create or resume the store, run every shard, and return the summary."""
-    t0 = time.time()
+    """Validate, create or resume the store, run every shard, and return the summary.
+
+    The store's lock (dflash/locks.py, one writer per store) is taken before anything else touches the
+    store: here at once, or under torchrun by rank 0 when it creates the manifest, held to the end."""
     world = _torchrun_world()
+    with contextlib.ExitStack() as held:
+        if not world:
+            _check_config(cfg, cfg.shards)  # --out is given
+            held.enter_context(dir_lock(cfg.out, "store", "--out"))
+        return _run_precompute(cfg, world, held)
+
+
+def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) -> dict:
+    t0 = time.time()
     num_shards = world[1] if world else cfg.shards
     manifest, layer_ids = prepare(cfg, num_shards)
     out = Path(cfg.out)
 
     def create() -> bool:
         """Create or check the manifest; True when every shard is already complete."""
-        create_or_check_manifest(out, manifest, overwrite=cfg.overwrite or _inputs_changed(cfg, out, manifest))
+        if world:  # rank 0 under torchrun: refused here, the refusal reaches every rank
+            held.enter_context(dir_lock(out, "store", "--out"))
+        overwrite = cfg.overwrite or _inputs_changed(cfg, out, manifest)
+        if overwrite:
+            check_overwritable(out)
+        create_or_check_manifest(out, manifest, overwrite=overwrite)
         return all(st.get("status") == "complete" for st in read_manifest(out)["shards"].values())
 
     if world:

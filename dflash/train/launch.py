@@ -8,6 +8,10 @@ launcher at all: the training runs in this process.
 User errors are checked here first, before any process starts (a bad store or run directory should
 cost a message, not N stack traces); a DFlashError raised inside a training process is carried back
 to this process through a file and re-raised with its message.
+
+This process (the launcher, or rank 0 under torchrun) holds the run directory's lock (dflash/locks.py)
+for the whole run, taken before preflight: one trainer per --out.  The launcher's rendezvous is on
+loopback (127.0.0.1): a single-node run needs no reachable host name.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError, DFlashError
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +100,6 @@ def _device_for(kind: str, ids: tuple[int, ...], local_rank: int) -> str:
 def launch_train(cfg: TrainConfig) -> dict | None:
     """Train with one process per requested device; returns the final metrics (in this process only
     when it trained itself, i.e. one device or under torchrun)."""
-    from dflash.train.preflight import MASK_SOURCE_ENV, preflight
     from dflash.train.trainer import run_training
 
     if under_torchrun():
@@ -104,10 +109,32 @@ def launch_train(cfg: TrainConfig) -> dict | None:
         check_devices(devices)
         local_rank = int(os.environ["LOCAL_RANK"])
         ids = devices.ids if devices.kind == "cuda" and local_rank < devices.count else tuple(range(local_rank + 1))
-        return run_training(cfg, device=_device_for(devices.kind, ids, local_rank))
+        with run_lock(cfg, os.environ["RANK"] == "0"):  # rank 0 holds the run lock for the whole run
+            return run_training(cfg, device=_device_for(devices.kind, ids, local_rank))
 
     devices = parse_gpus(cfg.gpus)
     check_devices(devices)
+    with run_lock(cfg):  # before preflight: a second trainer on this --out is refused at once
+        return _launch(cfg, devices)
+
+
+def run_lock(cfg: TrainConfig, holder: bool = True):
+    """The run directory's lock (dflash/locks.py): one trainer per --out, also with --resume/--overwrite.
+    Held by this process (the launcher, or rank 0 under torchrun), never by the training processes it starts."""
+    import contextlib
+
+    if not holder:
+        return contextlib.nullcontext()
+    if not cfg.out:
+        raise ConfigError("`dflash train` needs --out (or `out:` in the train section of params.yaml).")
+    from dflash.locks import dir_lock
+
+    return dir_lock(cfg.out, "run directory", "--out")
+
+
+def _launch(cfg: TrainConfig, devices: Devices) -> dict | None:
+    from dflash.train.preflight import MASK_SOURCE_ENV, preflight
+
     setup = preflight(cfg)
     saved_env = os.environ.get(MASK_SOURCE_ENV)
     if cfg.mask_token_id is None:  # resolved once here (it may scan the store), not again per process
@@ -123,6 +150,25 @@ def launch_train(cfg: TrainConfig) -> dict | None:
             os.environ[MASK_SOURCE_ENV] = saved_env
 
 
+def launch_config(nproc: int):
+    """One node, `nproc` local processes.  Rendezvous and the workers' MASTER_ADDR are on loopback
+    (127.0.0.1, a free port): a single-node run never listens on, or resolves, the host's public name."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"dflash-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{LOOPBACK}:0",  # a free port, as torchrun --standalone does, but on loopback
+        local_addr=LOOPBACK,  # becomes MASTER_ADDR (default: the host's FQDN)
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+
+
 def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
     from dflash.train.trainer import run_training
 
@@ -130,19 +176,9 @@ def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
         return run_training(cfg, device=_device_for(devices.kind, devices.ids, 0))
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
-    launch_cfg = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=devices.count,
-        run_id=f"dflash-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone does
-        max_restarts=0,
-        monitor_interval=0.2,
-        start_method="spawn",
-    )
+    launch_cfg = launch_config(devices.count)
     cfg_dict = dataclasses.asdict(cfg)
     with tempfile.TemporaryDirectory(prefix="dflash-launch-") as error_dir:
         try:
@@ -155,4 +191,4 @@ def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
     return None
 
 
-__all__ = ["Devices", "parse_gpus", "check_devices", "under_torchrun", "launch_train"]
+__all__ = ["Devices", "parse_gpus", "check_devices", "under_torchrun", "launch_train", "launch_config", "run_lock"]

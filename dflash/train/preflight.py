@@ -102,6 +102,25 @@ def check_run_dir(cfg: TrainConfig) -> None:
             f"run directory {out} already exists and is not empty; pass --resume to continue it, "
             "--overwrite to delete it and start over, or another --out."
         )
+    if cfg.overwrite and _run_dir_in_use(out) and not is_run_dir(out):
+        raise ConfigError(
+            f"--overwrite would delete {out}, but it is not a dflash run directory (no metrics.jsonl, "
+            "checkpoints/ or run config.json) nor an empty directory. Refusing to delete it: remove it yourself "
+            "if it is yours to delete, or choose another --out."
+        )
+
+
+def is_run_dir(out: Path) -> bool:
+    """A directory `dflash train` wrote: metrics.jsonl, checkpoints/, or a config.json holding a run record."""
+    if out.is_symlink() or not out.is_dir():
+        return False
+    if (out / "metrics.jsonl").is_file() or (out / "checkpoints").is_dir():
+        return True
+    try:
+        record = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and isinstance(record.get("train"), dict)
 
 
 def prepare_run_dir(cfg: TrainConfig) -> None:
