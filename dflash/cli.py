@@ -44,6 +44,8 @@ def user_errors(fn):
         except DFlashError as e:
             if debug:
                 traceback.print_exc()
+                if e.worker_traceback:
+                    click.echo(e.worker_traceback, err=True)
             _fail(str(e))
         except KeyboardInterrupt:
             _fail("interrupted; rerun the same command to continue where it stopped.", code=130)

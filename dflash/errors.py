@@ -7,7 +7,22 @@ non-zero without a traceback; anything else is a bug and keeps its traceback.
 
 
 class DFlashError(Exception):
-    """An error the user can fix; the message says what is wrong, where, and what to do."""
+    """An error the user can fix; the message says what is wrong, where, and what to do.
+
+    One raised in a DataLoader worker reaches the training process re-made by torch with the worker's
+    whole traceback as its message ("Caught StoreError in DataLoader worker process 0. Original
+    Traceback ..."); the original one-paragraph message is kept instead, the traceback text in
+    `worker_traceback` (printed by `--debug`)."""
+
+    worker_traceback: str | None = None
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str) and args[0].startswith(f"Caught {type(self).__name__} "):
+            text, marker = args[0], f"{type(self).__module__}.{type(self).__qualname__}: "
+            if "\nOriginal Traceback" in text and marker in text:
+                self.worker_traceback = text
+                args = (text.rsplit(marker, 1)[1].strip(),)
+        super().__init__(*args)
 
 
 class ConfigError(DFlashError):

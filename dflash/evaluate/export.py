@@ -12,6 +12,7 @@ DrafterConfig, strict load of the safetensors) and compares its logits with the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -59,7 +60,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     from safetensors.torch import load_file
 
     from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.train.checkpoint import resolve_checkpoint
+    from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)
     if not src.exists():
@@ -67,9 +68,14 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     ckpt = resolve_checkpoint(src)
     cfg_path = ckpt / "config.json"
     try:
+        check_safetensors(ckpt / "model.safetensors")
+    except DFlashError as e:
+        raise DFlashError(f"checkpoint {ckpt} cannot be used: {e} Pass an earlier checkpoint of the run "
+                          f"({ckpt.parent}/step-*), or resume training to write a new one.") from None
+    try:
         cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()))
         state = load_file(str(ckpt / "model.safetensors"))
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, TypeError, SafetensorError
         raise DFlashError(f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); it is incomplete or not "
                           "a dflash checkpoint.") from None
     drafter = DFlashDrafter(cfg)
@@ -85,8 +91,10 @@ def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from safetensors.torch import load_file
 
     from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.train.checkpoint import check_safetensors
 
     out_dir = Path(out_dir)
+    check_safetensors(out_dir / "model.safetensors")
     d = json.loads((out_dir / "config.json").read_text())
     drafter = DFlashDrafter(DrafterConfig.from_hf_dict(d))
     missing, unexpected = drafter.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=False)
@@ -141,9 +149,14 @@ def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: 
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        for f in ("model.safetensors", "config.json"):
+            os.chmod(tmp / f, 0o644)  # safetensors writes 0600; an export is read by serving engines
         _replace_dir(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e):
+            raise DFlashError(f"no space left on the device while writing the export {out} (in {tmp}): free "
+                              f"space on {out.parent} and rerun `dflash export`.") from e
         raise
     return out
 

@@ -196,7 +196,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         from dflash.store import compare_manifest, open_store
         from dflash.target.files import tokenizer_hash
 
-        store = open_store(cfg.store)
+        store = open_store(cfg.store, require_complete=True)
         compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
         embed, head = load_embed_and_head(target_dir)
         drafter.to(device=device, dtype=torch.float32)

@@ -22,6 +22,7 @@ Manifest keys (the ones with meaning; anything else is kept as free-form run inf
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -72,6 +73,25 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT, raised directly or wrapped (zarr and safetensors report it in their own types)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def disk_full_error(path: str | os.PathLike, e: BaseException) -> StoreError:
+    return StoreError(
+        f"no space left on the device while writing {path} ({e}). Free space on the filesystem holding "
+        f"{Path(path).parent} (or choose an --out on another one) and rerun the same `dflash precompute` "
+        "command: it resumes from the last commit, and nothing written after it is used."
+    )
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durable: bool = True) -> None:
     """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix.
 
@@ -80,11 +100,17 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durabl
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
+        raise
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
@@ -194,8 +220,69 @@ def read_manifest(store_path: str | os.PathLike) -> dict:
             f"{mpath} has format_version {m.get('format_version') if isinstance(m, dict) else None!r}; "
             f"this dflash reads {FORMAT_VERSION}. Recreate the store with this version."
         )
-    m["shards"] = {shard_name(i): shard_status(root, i) for i in range(int(m.get("num_shards") or 0))}
+    check_manifest(m, mpath)
+    m["shards"] = {shard_name(i): shard_status(root, i) for i in range(m["num_shards"])}
     return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# key -> (check, what it must be, required); `target.hidden_size` is nested
+_MANIFEST_KEYS = (
+    ("num_shards", lambda v: _is_int(v) and v >= 1, "a positive integer", True),
+    ("target_layer_ids", lambda v: isinstance(v, list) and v and all(_is_int(x) and x >= 0 for x in v),
+     "a non-empty list of layer indices (integers >= 0)", True),
+    ("target", lambda v: isinstance(v, dict), "an object describing the target", True),
+    ("target.hidden_size", lambda v: _is_int(v) and v >= 1, "a positive integer", True),
+    ("target.num_hidden_layers", _is_int, "an integer", False),
+    ("target.vocab_size", _is_int, "an integer", False),
+    ("hidden_dtype", lambda v: v in ("bf16", "fp8"), "'bf16' or 'fp8'", False),
+    ("topk", lambda v: _is_int(v) and v >= 0, "an integer >= 0", False),
+    ("max_length", _is_int, "an integer", False),
+    ("tokenizer_hash", lambda v: isinstance(v, str), "a string", False),
+)
+
+
+def check_manifest(m: dict, mpath: Path) -> None:
+    """StoreError naming the first key of the manifest that is missing or has the wrong type or value.
+
+    The manifest is written once by precompute and never edited; one that fails here was changed by hand
+    or belongs to another tool, and the readers would otherwise fail later with a bare traceback."""
+    for key, ok, what, required in _MANIFEST_KEYS:
+        parent, _, sub = key.rpartition(".")
+        holder = m.get(parent) if parent else m
+        if not isinstance(holder, dict):
+            continue  # `target` itself is reported
+        if sub not in holder:
+            if required:
+                raise StoreError(
+                    f"{mpath} has no `{key}` key; the manifest is damaged or was edited. Precompute writes it "
+                    "and never changes it: restore the original file, or re-run `dflash precompute` into a new store."
+                )
+            continue
+        if not ok(holder[sub]):
+            raise StoreError(
+                f"{mpath}: `{key}` is {holder[sub]!r}, but it must be {what}; the manifest is damaged or was "
+                "edited. Precompute writes it and never changes it: restore the original file, or re-run "
+                "`dflash precompute` into a new store."
+            )
+    ids = m["target_layer_ids"]
+    if len(set(ids)) != len(ids):
+        raise StoreError(f"{mpath}: `target_layer_ids` {ids} repeats a layer; the manifest was edited. Restore "
+                         "the original file, or re-run `dflash precompute` into a new store.")
+    n = m["target"].get("num_hidden_layers")
+    if _is_int(n) and any(x >= n for x in ids):
+        raise StoreError(f"{mpath}: `target_layer_ids` {ids} names layers past the target's {n}; the manifest "
+                         "was edited. Restore the original file, or re-run `dflash precompute` into a new store.")
+    recorded = (m.get("precompute_config") or {}).get("target_layers") if isinstance(m.get("precompute_config"), dict) else None
+    if isinstance(recorded, list) and recorded and recorded != ids:
+        raise StoreError(
+            f"{mpath}: `target_layer_ids` {ids} differs from the layers precompute captured "
+            f"(precompute_config.target_layers {recorded}); the manifest was edited. Restore the original "
+            "value, or re-run `dflash precompute --target-layers ...` into a new store."
+        )
 
 
 def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer_ids=None) -> None:

@@ -2,6 +2,15 @@
 
 A `Store` is a snapshot of what was committed when it was opened (layout.load_committed); it opens Zarr
 arrays lazily, per process, so it pickles cheaply into DataLoader workers, which reopen on first read.
+
+What a reader checks (docs/DESIGN.md §5).  At open, without reading data: the manifest's keys and types
+(manifest.check_manifest); that no shard directory lies past the manifest's `num_shards`; that a shard
+marked complete has its `index.arrow`; each index sorted, contiguous from 0 to the committed end, within
+the shapes, dtypes and row widths of the arrays (`shard_problems`, shared with verify); with
+`require_complete` (training, evaluation), that every shard is complete.  Per sample, on every read
+(`verify=True`, the default): the xxh3 checksum of each array read against the index, so a changed or
+missing Zarr chunk (which reads as zeros) is a StoreError naming shard, sample and array, not silent
+garbage.  Reads of the loader run in its worker processes, off the training step's path.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import torch
+import xxhash
 import zarr
 from zarr.storage import LocalStore
 
@@ -38,14 +48,32 @@ class ShardData:
                 self._arrays = zarr.open_group(LocalStore(self.dir, read_only=True), mode="r")
             except Exception as e:  # zarr raises several types for a missing/garbled group
                 raise StoreError(f"{self.dir}: Zarr group cannot be opened ({e}); the shard is damaged.") from None
-        return self._arrays[name]
+        try:
+            return self._arrays[name]
+        except Exception as e:  # KeyError when zarr.json is missing, others when it is garbled
+            what = "is missing" if isinstance(e, KeyError) else f"cannot be read ({type(e).__name__}: {e})"
+            raise StoreError(f"{self.dir / name / 'zarr.json'} (the metadata of array {name}) {what}; the shard "
+                             "is damaged.") from None
+
+    def _zarr_read(self, name: str, lo: int, hi: int, out=None):
+        arr = self.array(name)
+        try:
+            if out is None:
+                return arr[lo:hi]
+            arr.get_basic_selection(slice(lo, hi), out=out)
+        except Exception as e:  # a truncated or garbled object: zarr and its codecs raise many types
+            raise StoreError(
+                f"{self.dir}: rows [{lo}, {hi}) of {name} cannot be decoded ({type(e).__name__}: {e}); the shard "
+                f"is damaged. Run `dflash verify {self.dir.parent}` to list the damaged samples, then re-run "
+                "`dflash precompute` into a new store (another --out)."
+            ) from e
 
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         if hi > self.end:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
         parts = []
         if lo < self.zarr_end:
-            parts.append(self.array(name)[lo : min(hi, self.zarr_end)])
+            parts.append(self._zarr_read(name, lo, min(hi, self.zarr_end)))
         if hi > self.zarr_end:
             if self._tail is None:
                 self._tail = layout.tail_arrays(layout.read_ipc(self.tail_file))
@@ -62,10 +90,65 @@ class ShardData:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
         mid = min(hi, self.zarr_end)
         if lo < mid:
-            self.array(name).get_basic_selection(slice(lo, mid), out=NDBuffer.from_numpy_array(out[: mid - lo]))
+            self._zarr_read(name, lo, mid, out=NDBuffer.from_numpy_array(out[: mid - lo]))
         if hi > self.zarr_end:
             start = max(lo, self.zarr_end)
             out[start - lo :] = self.rows(name, start, hi)
+
+
+MAX_LISTED = 20
+
+
+def shard_problems(name: str, data: ShardData, c: layout.Committed, specs: dict) -> tuple[list[str], bool]:
+    """(problems, arrays_ok) of one shard's committed index against its arrays' metadata; reads no data.
+
+    The index must be sorted and contiguous (offset[i+1] = offset[i] + length[i], from 0 to the committed
+    end), with unique ids and sane lengths; every array must open with the dtype and row width the manifest
+    implies and hold the rows the index needs.  Used by open_store (refuses on any) and by verify."""
+    problems = []
+    idx = c.index
+    ids = idx.column("sample_id").to_numpy()
+    off = idx.column("offset").to_numpy()
+    ln = idx.column("length").to_numpy()
+    sup = idx.column("num_supervised").to_numpy()
+    if len(ids) and np.unique(ids).size != len(ids):
+        problems.append(f"{name}: duplicate sample ids in the index")
+    ends = off + ln
+    bad = np.flatnonzero((ln <= 0) | (sup < 0) | (sup > ln))
+    for i in bad[:MAX_LISTED]:
+        problems.append(f"{name} sample {ids[i]}: length {ln[i]} / supervised {sup[i]} are inconsistent")
+    expect = np.concatenate([[0], ends[:-1]]) if len(ids) else off
+    for i in np.flatnonzero(off != expect)[:MAX_LISTED]:
+        problems.append(f"{name} sample {ids[i]}: offset {off[i]} is not contiguous (expected {expect[i]})")
+    total = int(ends[-1]) if len(ids) else 0
+    if total != c.end or not 0 <= c.zarr_end <= c.end:
+        problems.append(f"{name}: index ends at token {total} but the committed end is {c.end} (Zarr end {c.zarr_end})")
+    if not len(ids) and not c.complete:
+        return problems, True  # nothing committed yet: the arrays may not exist
+    for arr_name, (dtype, row) in specs.items():
+        try:
+            arr = data.array(arr_name)
+        except (StoreError, KeyError) as e:
+            problems.append(f"{name}: array {arr_name} cannot be opened ({e})")
+            return problems, False
+        if arr.dtype != dtype or tuple(arr.shape[1:]) != row:
+            problems.append(f"{name}: array {arr_name} is {arr.dtype}{list(arr.shape)}, expected {dtype} rows of "
+                            f"{list(row)} (from the manifest's hidden_size, target_layer_ids, topk, hidden_dtype)")
+            return problems, False
+        if arr.shape[0] < c.zarr_end or (c.complete and arr.shape[0] != c.end):
+            problems.append(f"{name}: array {arr_name} has {arr.shape[0]} rows, the index needs {c.end}")
+            return problems, False
+    return problems, True
+
+
+def extra_shard_dirs(root: Path, num_shards: int) -> list[str]:
+    """Shard directories past the manifest's num_shards (an edited manifest, or shards of another run)."""
+    out = []
+    for p in root.glob("shard-*"):
+        tail = p.name[len("shard-"):]
+        if p.is_dir() and tail.isdigit() and int(tail) >= num_shards:
+            out.append(p.name)
+    return sorted(out)
 
 
 def decode_hidden(bits: np.ndarray, scale: np.ndarray | None) -> torch.Tensor:
@@ -77,11 +160,32 @@ def decode_hidden(bits: np.ndarray, scale: np.ndarray | None) -> torch.Tensor:
     return (x * torch.from_numpy(np.ascontiguousarray(scale))[..., None]).reshape(t, -1).to(torch.bfloat16)
 
 
+def _damaged(path: Path, problems: list[str]) -> StoreError:
+    listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+    return StoreError(
+        f"store {path} is damaged ({listed}). Run `dflash verify {path}` for the full report, then re-run "
+        "`dflash precompute` into a new store (another --out) and use that one."
+    )
+
+
 class Store:
-    def __init__(self, path: str | os.PathLike):
+    """The committed samples of a store.  `require_complete` refuses a store that precompute has not
+    finished; `verify` (default on) checks each sample's checksums as it is read."""
+
+    def __init__(self, path: str | os.PathLike, require_complete: bool = False, verify: bool = True):
         self.path = Path(path)
+        self.verify = verify
         self.manifest = read_manifest(self.path)
         m = self.manifest
+        extra = extra_shard_dirs(self.path, int(m["num_shards"]))
+        if extra:
+            raise StoreError(
+                f"store {self.path}: the manifest says num_shards {m['num_shards']}, but shard directories "
+                f"{extra[:5]} exist past it; the manifest was edited or the directories belong to another run. "
+                "Restore the original manifest, or re-run `dflash precompute` into a new store (another --out)."
+            )
+        if require_complete:
+            self._check_complete()
         self.target_layer_ids = list(m.get("target_layer_ids") or [])
         self.num_layers = len(self.target_layer_ids)
         self.hidden_size = int((m.get("target") or {}).get("hidden_size") or m.get("hidden_size") or 0)
@@ -90,10 +194,15 @@ class Store:
         self.specs = layout.array_specs(self.hidden_dtype, self.hidden_size * self.num_layers, self.num_layers, self.topk)
         self.shards: list[ShardData] = []
         tables = []
-        for i in range(int(m.get("num_shards") or 0)):
+        problems = []
+        for i in range(int(m["num_shards"])):
             d = self.path / shard_name(i)
             c = layout.load_committed(d, self.specs)  # a shard not started yet: empty
-            self.shards.append(ShardData(d, c))
+            data = ShardData(d, c)
+            if m["shards"][shard_name(i)].get("status") == "complete" and not c.complete:
+                problems.append(f"{shard_name(i)} is marked complete but {d / layout.INDEX} is missing")
+            problems += shard_problems(shard_name(i), data, c, self.specs)[0]
+            self.shards.append(data)
             tables.append(c.index.append_column("shard", pa.array(np.full(c.index.num_rows, i, np.int32))))
         schema = layout.index_schema(self.specs).append(pa.field("shard", pa.int32()))
         index = pa.concat_tables(tables) if tables else schema.empty_table()
@@ -101,9 +210,30 @@ class Store:
         self._ids = self.index.column("sample_id").to_numpy()
         if len(self._ids) > 1 and (dup := self._ids[1:][self._ids[1:] == self._ids[:-1]]).size:
             raise StoreError(f"store {self.path}: sample id(s) {dup[:5].tolist()} appear in more than one shard.")
+        if problems:
+            raise _damaged(self.path, problems)
         self._shard = self.index.column("shard").to_numpy()
         self._offset = self.index.column("offset").to_numpy()
         self._length = self.index.column("length").to_numpy()
+        self._sums = {a: self.index.column(f"checksum_{a}").to_numpy() for a in self.specs}
+
+    def _check_complete(self) -> None:
+        states = {name: s.get("status", "pending") + ("" if (self.path / name).is_dir() else " (no directory)")
+                  for name, s in self.manifest["shards"].items()}
+        unfinished = {name: st for name, st in states.items() if st != "complete"}
+        if not unfinished:
+            return
+        listed = ", ".join(f"{name} {st}" for name, st in list(unfinished.items())[:8])
+        more = f" and {len(unfinished) - 8} more" if len(unfinished) > 8 else ""
+        writing = any(st.startswith("running") for st in unfinished.values())
+        raise StoreError(
+            f"store {self.path} is not complete ({len(unfinished)} of {len(states)} shard(s) unfinished: "
+            f"{listed}{more}). "
+            + ("Precompute is still writing it, or was interrupted. " if writing else
+               "Precompute has not finished it (it was interrupted, or some shards never started). ")
+            + "Wait for a running precompute to finish, or rerun the same `dflash precompute` command: it "
+            "resumes from the last commit and finishes the store. Then train or evaluate."
+        )
 
     @property
     def complete(self) -> bool:
@@ -131,30 +261,50 @@ class Store:
             raise KeyError(f"sample {sample_id} is not in store {self.path}")
         return i
 
-    def read(self, sample_id: int, fields=None) -> dict[str, torch.Tensor]:
-        """One sample as torch tensors (docs/DESIGN.md §5); `fields` limits what is read."""
+    def _stored(self, i: int, name: str, verify: bool) -> np.ndarray:
+        """Sample i's stored rows of array `name`, checked against the index's checksum when `verify`."""
+        shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
+        rows = shard.rows(name, lo, lo + int(self._length[i]))
+        if verify and layout.checksum(rows) != int(self._sums[name][i]):
+            raise self._mismatch(i, name)
+        return rows
+
+    def _mismatch(self, i: int, name: str) -> StoreError:
+        shard = shard_name(int(self._shard[i]))
+        return StoreError(
+            f"store {self.path}: sample {int(self._ids[i])} in {shard} is damaged: its {name} rows do not match "
+            "the checksum in the index (bytes changed on disk, or a Zarr chunk file is missing and read back as "
+            f"zeros). Run `dflash verify {self.path}` to list every damaged sample, then re-run `dflash "
+            "precompute` into a new store (another --out) and use that one."
+        )
+
+    def read(self, sample_id: int, fields=None, verify: bool | None = None) -> dict[str, torch.Tensor]:
+        """One sample as torch tensors (docs/DESIGN.md §5); `fields` limits what is read.  Each array read
+        is checked against its checksum (StoreError naming shard, sample and array) unless `verify` is
+        False (default: the store's `verify`)."""
         fields = layout.FIELDS if fields is None else tuple(fields)
         bad = [f for f in fields if f not in layout.FIELDS]
         if bad:
             raise ValueError(f"unknown field(s) {bad}; choose from {layout.FIELDS}")
+        verify = self.verify if verify is None else verify
         i = self._locate(int(sample_id))
-        shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
-        hi = lo + int(self._length[i])
+        n = int(self._length[i])
         out = {}
         for f in fields:
             if f.startswith("topk") and not self.topk:
-                out[f] = torch.zeros((hi - lo, 0), dtype=torch.int64 if f == "topk_ids" else torch.float32)
+                out[f] = torch.zeros((n, 0), dtype=torch.int64 if f == "topk_ids" else torch.float32)
             elif f == "hidden":
-                scale = shard.rows("hidden_scale", lo, hi) if self.hidden_dtype == "fp8" else None
-                out[f] = decode_hidden(shard.rows("hidden", lo, hi), scale)
+                scale = self._stored(i, "hidden_scale", verify) if self.hidden_dtype == "fp8" else None
+                out[f] = decode_hidden(self._stored(i, "hidden", verify), scale)
             else:
-                a = torch.from_numpy(shard.rows(f, lo, hi))
+                a = torch.from_numpy(self._stored(i, f, verify))
                 out[f] = a.bool() if f == "loss_mask" else a.long() if f.endswith("ids") else a.float()
         return out
 
-    def read_hidden_into(self, sample_id: int, out: torch.Tensor) -> None:
+    def read_hidden_into(self, sample_id: int, out: torch.Tensor, verify: bool | None = None) -> None:
         """The first len(out) hidden rows of a sample written into `out` (a contiguous bf16 [T, L*H] view,
-        e.g. of a packed batch).  bf16 stores only: fp8 needs read()'s dequantisation."""
+        e.g. of a packed batch).  bf16 stores only: fp8 needs read()'s dequantisation.  Checked against the
+        sample's checksum like read() (the rows past len(out), if any, are read for it too)."""
         if self.hidden_dtype != "bf16" or out.dtype != torch.bfloat16 or not out.is_contiguous():
             raise ValueError(f"read_hidden_into needs a bf16 store and a contiguous bf16 tensor (store "
                              f"{self.hidden_dtype}, tensor {out.dtype}); use read()")
@@ -162,11 +312,20 @@ class Store:
         shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
         if len(out) > int(self._length[i]):
             raise ValueError(f"sample {sample_id} has {int(self._length[i])} tokens, fewer than {len(out)} asked")
-        shard.rows_into("hidden", lo, lo + len(out), out.view(torch.int16).numpy().view(np.uint16))
+        bits = out.view(torch.int16).numpy().view(np.uint16)
+        shard.rows_into("hidden", lo, lo + len(out), bits)
+        if self.verify if verify is None else verify:
+            h = xxhash.xxh3_64(memoryview(bits).cast("B"))
+            if len(out) < int(self._length[i]):
+                h.update(memoryview(np.ascontiguousarray(shard.rows("hidden", lo + len(out), lo + int(self._length[i])))).cast("B"))
+            if h.intdigest() != int(self._sums["hidden"][i]):
+                raise self._mismatch(i, "hidden")
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, samples={len(self)}, shards={len(self.shards)})"
 
 
-def open_store(path: str | os.PathLike) -> Store:
-    return Store(path)
+def open_store(path: str | os.PathLike, require_complete: bool = False, verify: bool = True) -> Store:
+    """The store at `path`, its structure checked (see the module docstring).  `require_complete`: refuse a
+    store precompute has not finished (training and evaluation); `verify`: check checksums on every read."""
+    return Store(path, require_complete=require_complete, verify=verify)

@@ -1,6 +1,6 @@
 """verify_store: check a store end to end and name every problem by shard and sample id.
 
-Checks: the manifest; every shard complete; each index sorted, contiguous (offset[i+1] = offset[i] +
+Checks: the manifest (keys and types; no shard directory past its num_shards); every shard complete; each index sorted, contiguous (offset[i+1] = offset[i] +
 length[i], starting at 0, ending at the committed end), within the arrays' shapes, with unique sample
 ids (across shards too); and, with `checksums`, every sample's xxh3 checksum per array and its
 supervised-token count recomputed from the stored bytes.  Data is read in large contiguous blocks; a
@@ -19,10 +19,9 @@ import numpy as np
 from dflash.errors import StoreError
 from dflash.store import layout
 from dflash.store.manifest import read_manifest, shard_name
-from dflash.store.reader import ShardData
+from dflash.store.reader import MAX_LISTED, ShardData, extra_shard_dirs, shard_problems
 
 BLOCK_BYTES = 256 * 2**20  # data read per block while checksumming
-MAX_LISTED = 20
 
 
 @dataclass
@@ -63,35 +62,16 @@ def _dir_bytes(d: Path) -> int:
 
 
 def _check_shard(name: str, data: ShardData, c: layout.Committed, specs: dict, checksums: bool, problems: list[str]) -> None:
+    found, arrays_ok = shard_problems(name, data, c, specs)
+    problems += found
+    if not arrays_ok:
+        return
     idx = c.index
     ids = idx.column("sample_id").to_numpy()
     off = idx.column("offset").to_numpy()
     ln = idx.column("length").to_numpy()
     sup = idx.column("num_supervised").to_numpy()
-    if len(ids) and np.unique(ids).size != len(ids):
-        problems.append(f"{name}: duplicate sample ids in the index")
     ends = off + ln
-    bad = np.flatnonzero((ln <= 0) | (sup < 0) | (sup > ln))
-    for i in bad[:MAX_LISTED]:
-        problems.append(f"{name} sample {ids[i]}: length {ln[i]} / supervised {sup[i]} are inconsistent")
-    expect = np.concatenate([[0], ends[:-1]]) if len(ids) else off
-    for i in np.flatnonzero(off != expect)[:MAX_LISTED]:
-        problems.append(f"{name} sample {ids[i]}: offset {off[i]} is not contiguous (expected {expect[i]})")
-    total = int(ends[-1]) if len(ids) else 0
-    if total != c.end:
-        problems.append(f"{name}: index ends at token {total} but the committed end is {c.end}")
-    for arr_name, (dtype, row) in specs.items():
-        try:
-            arr = data.array(arr_name)
-        except (StoreError, KeyError) as e:
-            problems.append(f"{name}: array {arr_name} cannot be opened ({e})")
-            return
-        if arr.dtype != dtype or tuple(arr.shape[1:]) != row:
-            problems.append(f"{name}: array {arr_name} is {arr.dtype}{list(arr.shape)}, expected {dtype} rows of {list(row)}")
-            return
-        if arr.shape[0] < c.zarr_end or (c.complete and arr.shape[0] != c.end):
-            problems.append(f"{name}: array {arr_name} has {arr.shape[0]} rows, the index needs {c.end}")
-            return
     if not checksums or not len(ids):
         return
     cols = {"ids": ids, "off": off, "ln": ln, "sup": sup}
@@ -135,7 +115,7 @@ def verify_store(path: str | os.PathLike, checksums: bool = True) -> Report:
     """Check a store; StoreError only when there is no store at `path` at all."""
     root = Path(path)
     m = read_manifest(root)
-    report = Report(str(root), num_shards=int(m.get("num_shards") or 0))
+    report = Report(str(root), num_shards=m["num_shards"])
     L = len(m.get("target_layer_ids") or [])
     H = int((m.get("target") or {}).get("hidden_size") or m.get("hidden_size") or 0)
     try:
@@ -143,11 +123,17 @@ def verify_store(path: str | os.PathLike, checksums: bool = True) -> Report:
     except StoreError as e:
         report.problems.append(f"manifest: {e}")
         return report
+    for extra in extra_shard_dirs(root, report.num_shards):
+        report.problems.append(f"{extra}: a shard directory past the manifest's num_shards {report.num_shards}")
     seen: dict[int, str] = {}
     for i in range(report.num_shards):
         name = shard_name(i)
         d = root / name
         status = m["shards"][name].get("status")
+        if not d.is_dir():
+            report.problems.append(f"{name}: no shard directory, though the manifest says num_shards "
+                                   f"{report.num_shards} (precompute never started it, or the manifest was edited)")
+            continue
         if status != "complete":
             report.problems.append(f"{name}: not complete (status {status})")
         try:

@@ -52,6 +52,7 @@ never waits for it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 from collections import deque
@@ -66,7 +67,14 @@ from zarr.storage import LocalStore
 
 from dflash.errors import StoreError
 from dflash.store import layout
-from dflash.store.manifest import atomic_write_bytes, mark_shard, shard_name, shard_status
+from dflash.store.manifest import (
+    atomic_write_bytes,
+    disk_full_error,
+    is_disk_full,
+    mark_shard,
+    shard_name,
+    shard_status,
+)
 from dflash.store.rows import FP8_MAX, Rows, as_stored, encode_hidden, encode_hidden_tensors, fsync_files, pow2_floor
 
 __all__ = ["FP8_MAX", "ShardWriter", "encode_hidden", "encode_hidden_tensors"]
@@ -78,6 +86,24 @@ try:  # zarr >= 3.4
     _FUSED: str | None = f"{FusedCodecPipeline.__module__}.{FusedCodecPipeline.__qualname__}"
 except ImportError:
     _FUSED = None
+
+
+def _disk_full_named(fn):
+    """A full disk hit anywhere in `fn` (array metadata, tails, index segments) as a StoreError naming the
+    shard and what to do; writes of objects name the object themselves (_store_slices)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return fn(self, *args, **kwargs)
+        except StoreError:
+            raise
+        except Exception as e:
+            if is_disk_full(e):
+                raise disk_full_error(self.dir, e) from e
+            raise
+
+    return wrapper
 
 
 def _in_event_loop() -> bool:
@@ -259,6 +285,8 @@ class ShardWriter:
     def _check_ok(self) -> None:
         if self._failed is not None:
             e = self._failed
+            if isinstance(e, StoreError):  # already says where and what to do (a full disk)
+                raise StoreError(str(e)) from e
             raise StoreError(
                 f"{self.dir}: an earlier write failed ({type(e).__name__}: {e}), so nothing more is committed; "
                 "fix the cause and rerun the same command to resume from the last commit."
@@ -282,6 +310,7 @@ class ShardWriter:
             raise ValueError(f"sample {sid} is already in {self.dir}")
         return sid
 
+    @_disk_full_named
     def append_encoded(self, sample_id, source_row, input_ids, loss_mask, arrays: dict) -> None:
         """append() for rows already in stored form (`encode_hidden_tensors`): `arrays` holds `hidden`
         (bf16 bits as int16/uint16, or e4m3 bits as uint8), `hidden_scale` (fp8), `topk_ids`,
@@ -366,13 +395,18 @@ class ShardWriter:
         async def write_all():
             await asyncio.gather(*(arr.async_array.setitem(slice(lo, hi), slices[name]) for name, arr in self.arrays.items()))
 
-        if self._own_loops and not _in_event_loop():  # asyncio.run needs a thread without a running loop
-            asyncio.run(write_all())
-        else:  # zarr's synchronous API, which runs on zarr's own loop
-            for name, arr in self.arrays.items():
-                arr[lo:hi] = slices[name]
-        if self.durable:
-            fsync_files(objects)
+        try:
+            if self._own_loops and not _in_event_loop():  # asyncio.run needs a thread without a running loop
+                asyncio.run(write_all())
+            else:  # zarr's synchronous API, which runs on zarr's own loop
+                for name, arr in self.arrays.items():
+                    arr[lo:hi] = slices[name]
+            if self.durable:
+                fsync_files(objects)
+        except Exception as e:
+            if is_disk_full(e):  # the objects are not committed: a rerun after freeing space rewrites them
+                raise disk_full_error(objects[0] if objects else self.dir, e) from e
+            raise
 
     def _give_back(self, lent: dict[str, np.ndarray]) -> None:
         for name, buf in lent.items():
@@ -402,6 +436,7 @@ class ShardWriter:
         fsync_files(self._unsynced)
         self._unsynced.clear()
 
+    @_disk_full_named
     def commit(self) -> None:
         """Make every appended sample durable and visible to readers (see the module docstring)."""
         if not self._pending:
@@ -433,6 +468,7 @@ class ShardWriter:
         self._rows |= {e["source_row"] for e in self._pending}
         self._pending, self._pending_ids, self._since_commit = [], set(), 0
 
+    @_disk_full_named
     def finalize(self, stats: dict | None = None) -> None:
         """Commit, write the last object and the consolidated index, and mark the shard complete."""
         if not self.complete:

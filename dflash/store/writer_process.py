@@ -233,6 +233,10 @@ class ProcessWritePipeline(WritePipeline):
 
 def _child_error(payload) -> StoreError:
     kind, message, tb = payload
+    if kind == "StoreError":  # a user error (a full disk, a damaged shard): its message says what to do
+        e = StoreError(message)
+        e.worker_traceback = tb
+        return e
     return StoreError(f"the store writer process failed with {kind}: {message}\n--- in the writer process:\n{tb}")
 
 

@@ -9,6 +9,10 @@
 
 A checkpoint is assembled in a `.tmp-*` directory and moved into place with one os.replace, so a
 `kill -9` at any instant leaves either the previous set of checkpoints or the new one, never a torn one.
+Its files are made readable by everyone (0644; safetensors writes 0600).  A checkpoint damaged later
+(a truncated copy, a full disk under another tool) is named by file: `load_latest` (resume) falls back to
+the newest one that reads and says so on stderr; `load_checkpoint` and `check_safetensors` (eval, export)
+refuse it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import json
 import os
 import re
 import shutil
+import struct
+import sys
 from pathlib import Path
 
 import torch
 
 from dflash.errors import DFlashError
-from dflash.store.manifest import fsync_dir
+from dflash.store.manifest import fsync_dir, is_disk_full
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -60,6 +66,38 @@ def resolve_checkpoint(run_or_checkpoint: str | Path) -> Path:
     return latest
 
 
+FILE_MODE = 0o644
+
+
+def check_safetensors(path: str | Path) -> None:
+    """DFlashError naming `path` when it is missing, truncated or has no readable safetensors header.
+
+    Reads the 8-byte header length and the JSON header only: the data must end exactly where the header's
+    last tensor ends, so a file cut short (an interrupted copy, a full disk) is told apart from a sound one."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            raw = f.read(n) if 0 < n <= size - 8 else None
+    except FileNotFoundError:
+        raise DFlashError(f"{p} is missing; the checkpoint is incomplete.") from None
+    except OSError as e:
+        raise DFlashError(f"{p} cannot be read ({e}).") from None
+    try:
+        header = json.loads(raw) if raw is not None else None
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise DFlashError(f"{p} is truncated or not a safetensors file ({size} bytes, no readable header).") from None
+    need = 8 + n + max(ends, default=0)
+    if size != need:
+        raise DFlashError(
+            f"{p} is truncated: its header describes {need} bytes but the file has {size}"
+            if size < need else f"{p} is damaged: its header describes {need} bytes but the file has {size}"
+        )
+
+
 def _write_json(path: Path, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
@@ -86,16 +124,27 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
-    with open(tmp / "model.safetensors", "rb+") as f:
-        os.fsync(f.fileno())
-    _write_json(tmp / "config.json", drafter_config)
-    _write_json(tmp / "train_config.json", train_config)
-    with open(tmp / "train_state.pt", "wb") as f:
-        torch.save(train_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
+        with open(tmp / "model.safetensors", "rb+") as f:
+            os.fsync(f.fileno())
+        _write_json(tmp / "config.json", drafter_config)
+        _write_json(tmp / "train_config.json", train_config)
+        with open(tmp / "train_state.pt", "wb") as f:
+            torch.save(train_state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        for name in ("model.safetensors", "config.json", "train_config.json", "train_state.pt"):
+            os.chmod(tmp / name, FILE_MODE)
+        fsync_dir(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written checkpoint taking the space
+        if is_disk_full(e):
+            raise DFlashError(
+                f"no space left on the device while writing checkpoint {final} (in {tmp}): free space on "
+                f"{final.parent} and rerun with --resume; training continues from the previous checkpoint."
+            ) from e
+        raise
     if final.exists():  # the same step saved again (a resumed run re-reaching it): swap it out whole
         old = final.parent / f".old-{final.name}-{os.getpid()}"
         os.replace(final, old)
@@ -125,15 +174,44 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
 
     p = Path(path)
     try:
+        check_safetensors(p / "model.safetensors")
+    except DFlashError as e:
+        raise DFlashError(f"checkpoint {p} cannot be read: {e} Delete {p} to resume from the previous "
+                          "checkpoint.") from None
+    try:
         model_state = load_file(str(p / "model.safetensors"))
         drafter_config = json.loads((p / "config.json").read_text())
         train_config = json.loads((p / "train_config.json").read_text())
         train_state = torch.load(p / "train_state.pt", map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, RuntimeError, pickle and safetensors errors
         raise DFlashError(
-            f"checkpoint {p} cannot be read ({e}); delete it to resume from the previous one."
+            f"checkpoint {p} cannot be read ({type(e).__name__}: {e}); delete it to resume from the previous one."
         ) from None
     return model_state, drafter_config, train_state, train_config
+
+
+def load_latest(run_dir: str | Path) -> tuple[Path, tuple] | None:
+    """(path, load_checkpoint(path)) of the newest checkpoint that reads, or None when the run has none.
+
+    A newer one that does not read (truncated, half-deleted) is skipped with a note on stderr naming it
+    and why; it is left in place for the user to inspect (the next save of that step replaces it whole).
+    DFlashError when checkpoints exist and none reads."""
+    found = list_checkpoints(run_dir)
+    problems = []
+    for p in reversed(found):
+        try:
+            loaded = load_checkpoint(p)
+        except DFlashError as e:
+            problems.append(str(e))
+            print(f"warning: skipping checkpoint {p}: {e}", file=sys.stderr, flush=True)
+            continue
+        if problems:
+            print(f"warning: resuming from the previous complete checkpoint {p} instead.", file=sys.stderr, flush=True)
+        return p, loaded
+    if problems:
+        raise DFlashError(f"no checkpoint of {run_dir} can be read ({'; '.join(problems)}); start a new run "
+                          "(another --out, or --overwrite).")
+    return None
 
 
 __all__ = [
@@ -145,4 +223,6 @@ __all__ = [
     "save_checkpoint",
     "clean_partial",
     "load_checkpoint",
+    "load_latest",
+    "check_safetensors",
 ]

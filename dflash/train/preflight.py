@@ -222,7 +222,7 @@ def preflight(cfg: TrainConfig) -> Setup:
     _check_options(cfg)
     check_run_dir(cfg)
     identity = target_identity(cfg.target)
-    store = open_store(cfg.store)
+    store = open_store(cfg.store, require_complete=True)
     compare_manifest(store.manifest, identity, tokenizer_hash(cfg.target), target_layer_ids=cfg.target_layers)
     if len(store) == 0:
         raise StoreError(f"store {cfg.store} has no committed samples; run or finish `dflash precompute` first.")
@@ -233,7 +233,7 @@ def preflight(cfg: TrainConfig) -> Setup:
     if cfg.eval_every:
         if not cfg.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
-        eval_store = open_store(cfg.eval_store)
+        eval_store = open_store(cfg.eval_store, require_complete=True)
         compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.target),
                          target_layer_ids=store.target_layer_ids)
     vocab_rows = int(identity.get("vocab_size") or 0)

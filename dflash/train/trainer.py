@@ -100,10 +100,10 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest checkpoint of the run directory, if --resume and there is one."""
-        latest = ckpt.latest_checkpoint(Path(self.cfg.out)) if self.cfg.resume else None
-        if latest is None:
+        found = ckpt.load_latest(Path(self.cfg.out)) if self.cfg.resume else None  # skips unreadable ones
+        if found is None:
             return
-        model_state, drafter_cfg, train_state, _ = ckpt.load_checkpoint(latest)
+        latest, (model_state, drafter_cfg, train_state, _) = found
         if drafter_cfg != self.setup.drafter_config.to_hf_dict():
             raise ConfigError(
                 f"checkpoint {latest} was trained with a different drafter (block size, layers, target "

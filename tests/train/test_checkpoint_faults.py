@@ -1,0 +1,174 @@
+"""Checkpoint faults as messages: a truncated model.safetensors, a full disk, file permissions.
+
+Checkpoints are real ones (save_checkpoint of a real DFlashDrafter built for the tiny target, or a real
+training run), damaged on disk by the test.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.errors import DFlashError
+from dflash.train import checkpoint as ckpt
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_store):
+    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.target.files import target_config
+
+    target, _, _ = tiny_store
+    cfg = DrafterConfig.from_target(target_config(str(target)), 1, 4, [1, 2], 580)
+    torch.manual_seed(0)
+    return DFlashDrafter(cfg)
+
+
+def _save(run: Path, step: int, drafter, target) -> Path:
+    return ckpt.save_checkpoint(run, step, drafter.state_dict(), drafter.config.to_hf_dict(),
+                                {"step": step, "rng": {"cpu": torch.get_rng_state()}},
+                                {"train": {"target": str(target)}}, keep=5)
+
+
+def _truncate(path: Path, keep: int | None = None) -> None:
+    b = path.read_bytes()
+    path.write_bytes(b[: len(b) // 2 if keep is None else keep])
+
+
+def test_checkpoint_and_export_files_are_readable_by_others(tmp_path, drafter, tiny_store):
+    from dflash.evaluate.export import export_drafter
+
+    old = os.umask(0o077)  # even under a strict umask: the mode is set, not inherited
+    try:
+        p = _save(tmp_path / "run", 2, drafter, tiny_store[0])
+        out = export_drafter(drafter, tmp_path / "export")
+    finally:
+        os.umask(old)
+    for f in ["model.safetensors", "config.json", "train_config.json", "train_state.pt"]:
+        assert (p / f).stat().st_mode & 0o777 == 0o644, f
+    for f in ["model.safetensors", "config.json"]:
+        assert (out / f).stat().st_mode & 0o777 == 0o644, f
+
+
+@pytest.mark.parametrize("cut", [None, 4, 0])  # half the file, inside the header length, empty
+def test_truncated_safetensors_is_named(tmp_path, drafter, tiny_store, cut):
+    p = _save(tmp_path / "run", 2, drafter, tiny_store[0])
+    ckpt.check_safetensors(p / "model.safetensors")  # sound: no error
+    _truncate(p / "model.safetensors", cut)
+    with pytest.raises(DFlashError, match=f"{p / 'model.safetensors'} is truncated"):
+        ckpt.check_safetensors(p / "model.safetensors")
+    with pytest.raises(DFlashError, match=f"checkpoint {p} cannot be read: .*model.safetensors is truncated"):
+        ckpt.load_checkpoint(p)
+
+
+def test_resume_falls_back_to_previous_complete_checkpoint(tmp_path, drafter, tiny_store, capsys):
+    run = tmp_path / "run"
+    first = _save(run, 2, drafter, tiny_store[0])
+    newest = _save(run, 4, drafter, tiny_store[0])
+    _truncate(newest / "model.safetensors")
+    path, (state, dcfg, train_state, _) = ckpt.load_latest(run)
+    assert path == first and train_state["step"] == 2 and dcfg == drafter.config.to_hf_dict()
+    assert set(state) == set(drafter.state_dict()) - {k for k in drafter.state_dict() if k.startswith("rotary")}
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {newest}" in err and "model.safetensors is truncated" in err
+    assert f"resuming from the previous complete checkpoint {first}" in err
+    # nothing readable at all: one message naming each
+    _truncate(first / "model.safetensors")
+    with pytest.raises(DFlashError, match=f"no checkpoint of {run} can be read"):
+        ckpt.load_latest(run)
+    assert ckpt.load_latest(tmp_path / "empty") is None
+
+
+def test_eval_and_export_name_the_truncated_file(tmp_path, drafter, tiny_store):
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    target, _, store = tiny_store
+    run = tmp_path / "run"
+    p = _save(run, 2, drafter, target)
+    _truncate(p / "model.safetensors")
+    for args in (["export", str(run), str(tmp_path / "export")],
+                 ["eval", "--run", str(run), "--store", str(store), "--target", str(target), "--device", "cpu"]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1, r.output
+        assert f"{p / 'model.safetensors'} is truncated" in r.output and "earlier checkpoint" in r.output
+        assert "Traceback" not in r.output
+    assert not (tmp_path / "export").exists()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 200 KiB tmpfs (root only): writes past it fail with a real ENOSPC."""
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(d)], capture_output=True)
+    except OSError:
+        r = None
+    if r is None or r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_disk_full_checkpoint_at_fsync covers it")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+def _assert_disk_full(e, run: Path) -> None:
+    msg = str(e.value)
+    assert f"no space left on the device while writing checkpoint {ckpt.checkpoint_path(run, 2)}" in msg
+    assert f"free space on {run / 'checkpoints'}" in msg and "--resume" in msg
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]  # space given back
+
+
+def test_disk_full_while_saving_a_checkpoint(full_disk):
+    run = full_disk / "run"
+    big = {"w": torch.zeros(256 * 1024)}  # 1 MiB of fp32 on a 200 KiB filesystem
+    with pytest.raises(DFlashError) as e:
+        ckpt.save_checkpoint(run, 2, big, {}, {}, {})
+    _assert_disk_full(e, run)
+
+
+def test_disk_full_checkpoint_at_fsync(tmp_path, monkeypatch, drafter, tiny_store):
+    run = tmp_path / "run"
+    real = os.fsync
+
+    def fsync(fd):
+        if "train_state.pt" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(DFlashError) as e:
+        _save(run, 2, drafter, tiny_store[0])
+    _assert_disk_full(e, run)
+    assert ckpt.list_checkpoints(run) == []
+
+
+@pytest.mark.slow  # two short CPU training runs, ~30 s
+def test_training_resumes_past_a_truncated_checkpoint(tiny_store, tmp_path, capfd):
+    from dflash.config import TrainConfig
+    from dflash.train.launch import launch_train
+
+    target, _, store = tiny_store
+    out = tmp_path / "run"
+    kw = dict(store=str(store), target=str(target), out=str(out), gpus="cpu:1", block_size=4, num_layers=1,
+              token_budget=256, num_anchors=4, num_workers=1, compile="off", seed=0, save_every=2,
+              keep_checkpoints=3, warmup_steps=1)
+    launch_train(TrainConfig(steps=4, **kw))
+    newest = ckpt.checkpoint_path(out, 4)
+    _truncate(newest / "model.safetensors")
+    capfd.readouterr()
+    launch_train(TrainConfig(steps=6, resume=True, **kw))
+    err = capfd.readouterr().err
+    assert f"skipping checkpoint {newest}" in err and "is truncated" in err
+    assert f"resuming from the previous complete checkpoint {ckpt.checkpoint_path(out, 2)}" in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    ckpt.check_safetensors(ckpt.checkpoint_path(out, 4) / "model.safetensors")  # step 4 written again, whole
