@@ -81,6 +81,11 @@ class TrainConfig:
                                     "target's embedding table.")
     target_layers: list[int] | None = opt(None, "Target layers the drafter reads; default (and required) the "
                                           "store's.")
+    layer_types: list[str] | None = opt(None, "Attention of each drafter layer, full or sliding, e.g. "
+                                        "sliding,sliding,full (as vLLM / SGLang serve them: a sliding layer is "
+                                        "causal with --sliding-window); default all full.")
+    sliding_window: int | None = opt(None, "Window of the sliding layers in tokens, the query's own included "
+                                     "(a query at p sees keys p-W < j <= p).")
     # schedule
     steps: int | None = opt(None, "Total optimizer steps; default derived from --epochs.")
     epochs: float = opt(1.0, "Epochs over the store (when --steps is not given).")

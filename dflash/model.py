@@ -27,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 INIT_STD = 0.02
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+_LAYER_TYPES = {"full": FULL_ATTENTION, FULL_ATTENTION: FULL_ATTENTION,
+                "sliding": SLIDING_ATTENTION, SLIDING_ATTENTION: SLIDING_ATTENTION}
 
 
 def _get(cfg: Any, name: str, default=None):
@@ -72,6 +75,10 @@ class DrafterConfig:
     rope_scaling: dict | None = None  # transformers' rope parameters minus rope_theta; None = default
     attention_bias: bool = False
     hidden_act: str = "silu"
+    # Per drafter layer "full_attention" or "sliding_attention" ("full" / "sliding" accepted); None = all
+    # full.  A sliding layer's block query at position p sees keys at p - W < j <= p (docs/DESIGN.md §4).
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)  # unknown export fields, kept for a faithful round trip
 
     def __post_init__(self):
@@ -80,6 +87,22 @@ class DrafterConfig:
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must name at least one target layer")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        types = self.layer_types if self.layer_types is not None else [FULL_ATTENTION] * self.num_hidden_layers
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types needs one entry per drafter layer: {len(types)} given for "
+                             f"{self.num_hidden_layers} layers")
+        bad = [t for t in types if t not in _LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer_types {bad} are not full or sliding (full_attention / sliding_attention)")
+        self.layer_types = [_LAYER_TYPES[t] for t in types]
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
+        if self.has_sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"sliding layers need a sliding_window of at least 1 token, got {self.sliding_window}")
+
+    @property
+    def has_sliding(self) -> bool:
+        return SLIDING_ATTENTION in (self.layer_types or ())
 
     @property
     def num_features(self) -> int:
@@ -87,7 +110,8 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config, num_layers: int, block_size: int = 16,
-                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None) -> DrafterConfig:
+                    target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                    layer_types: list[str] | None = None, sliding_window: int | None = None) -> DrafterConfig:
         """Copy the target's layer shape (as z-lab does); `num_layers` drafter layers."""
         from dflash.target.files import default_target_layers
 
@@ -119,6 +143,8 @@ class DrafterConfig:
             rope_scaling=scaling,
             attention_bias=bool(_get(tc, "attention_bias", False)),
             hidden_act=_get(tc, "hidden_act", "silu"),
+            layer_types=list(layer_types) if layer_types else None,
+            sliding_window=sliding_window,
         )
 
     def rope_parameters(self) -> dict:
@@ -147,10 +173,12 @@ class DrafterConfig:
             "attention_dropout": 0.0,
             "initializer_range": INIT_STD,
             "tie_word_embeddings": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
+            # vLLM (_resolve_layer_attention) and SGLang read these: a sliding_attention layer is causal
+            # with window sliding_window (counting the query's own token), a full_attention one is not.
+            "use_sliding_window": self.has_sliding,
+            "sliding_window": self.sliding_window,
             "max_window_layers": self.num_hidden_layers,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": list(self.layer_types),
             "use_cache": True,
             "dtype": "bfloat16",
             "block_size": self.block_size,
@@ -172,7 +200,8 @@ class DrafterConfig:
         known = {f.name for f in dataclasses.fields(cls)} | {
             "architectures", "model_type", "rope_parameters", "dflash_config", "attention_dropout",
             "initializer_range", "tie_word_embeddings", "use_sliding_window", "sliding_window",
-            "max_window_layers", "layer_types", "use_cache", "dtype", "torch_dtype", "transformers_version"}
+            "max_window_layers", "use_cache", "dtype", "torch_dtype", "transformers_version",
+            "eagle_aux_hidden_state_layer_ids"}
         return cls(
             hidden_size=d["hidden_size"],
             num_hidden_layers=d["num_hidden_layers"],
@@ -191,8 +220,46 @@ class DrafterConfig:
             rope_scaling=scaling,
             attention_bias=bool(d.get("attention_bias", False)),
             hidden_act=d.get("hidden_act", "silu"),
+            layer_types=d.get("layer_types"),
+            sliding_window=d["sliding_window"] if d.get("sliding_window") is not None else dc.get("swa_window_size"),
             extra={k: v for k, v in d.items() if k not in known},
         )
+
+
+def engine_layer_problem(target_layer_ids: list[int], num_target_layers: int) -> str | None:
+    """Why vLLM / SGLang could not serve a drafter reading these target layers, with what to pass
+    instead; None when they can (docs/DESIGN.md §2).  The engines capture the residual stream entering
+    layer i + 1 for DFlash id i and concatenate the captured layers in ascending order."""
+    from dflash.target.files import default_target_layers
+
+    ids, L = [int(i) for i in target_layer_ids], int(num_target_layers)
+    if L - 1 in ids:
+        usable = sorted({i for i in ids if i != L - 1})
+        alt = default_target_layers(L, len(ids))
+        if L - 1 in alt or len(set(alt)) != len(ids):
+            alt = usable or [max(L - 2, 0)]
+        return (f"target_layer_ids {ids} include the target's last layer {L - 1} (of 0..{L - 1}): vLLM and SGLang "
+                f"feed a DFlash drafter the residual stream entering layer i + 1, and no layer follows the last one, "
+                f"so this drafter could not be served. Precompute the store with --target-layers "
+                f"{','.join(map(str, alt))} (every id below {L - 1}) and train on that store.")
+    if ids != sorted(ids):
+        return (f"target_layer_ids {ids} are not in ascending order: vLLM and SGLang concatenate the captured "
+                f"layers in ascending order, so fc would get its inputs permuted. Precompute the store with "
+                f"--target-layers {','.join(map(str, sorted(ids)))} and train on that store.")
+    return None
+
+
+def layer_mask(mask, layer_type: str):
+    """The mask of one layer: masks.to_block_mask / to_dense_mask give one mask (full layers only) or
+    {"full_attention": m, "sliding_attention": m} for metadata built with a sliding window."""
+    if isinstance(mask, dict):
+        if layer_type not in mask:
+            raise ValueError(f"no {layer_type} mask among {sorted(mask)}")
+        return mask[layer_type]
+    if layer_type == SLIDING_ATTENTION:
+        raise ValueError("a drafter with sliding-window layers needs the per-layer masks of "
+                         "masks.mask_metadata(..., sliding_window=W), not a single full-attention mask")
+    return mask
 
 
 class RMSNorm(nn.Module):
@@ -357,6 +424,7 @@ class DraftCache:
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.positions: torch.Tensor | None = None  # [1, n]: the cached tokens' positions (sliding layers)
 
     def __len__(self) -> int:
         return 0 if self.k[0] is None else self.k[0].shape[2]
@@ -371,11 +439,17 @@ class DraftCache:
         self.k[layer], self.v[layer] = k, v
         return k, v
 
+    def add_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        self.positions = positions if self.positions is None else torch.cat([self.positions, positions], 1)
+        return self.positions
+
     def crop(self, n: int) -> None:
         """Keep the first n context tokens."""
         for i in range(len(self.k)):
             if self.k[i] is not None:
                 self.k[i], self.v[i] = self.k[i][:, :, :n], self.v[i][:, :, :n]
+        if self.positions is not None:
+            self.positions = self.positions[:, :n]
 
 
 class DFlashDrafter(nn.Module):
@@ -416,20 +490,24 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
         """ctx_hidden [R,S,L*H], block_embeds [R,Q,H], positions [R,S] / [R,Q], mask: BlockMask or
-        bool [R,1,Q,S+Q] -> hidden states [R,Q,H] after the final norm."""
+        bool [R,1,Q,S+Q], or {layer type: either} for a drafter with sliding layers (dflash.masks) ->
+        hidden states [R,Q,H] after the final norm."""
         self._check_features(ctx_hidden)
-        if not isinstance(mask, torch.Tensor) and not ctx_hidden.is_cuda and torch.is_grad_enabled():
+        if not ctx_hidden.is_cuda and torch.is_grad_enabled():
             # flex_attention has no backward on CPU: train there through SDPA with the same mask.
             from dflash.masks import block_mask_to_dense
 
-            mask = block_mask_to_dense(mask)
+            def dense(m):
+                return m if m is None or isinstance(m, torch.Tensor) else block_mask_to_dense(m)
+
+            mask = {k: dense(v) for k, v in mask.items()} if isinstance(mask, dict) else dense(mask)
         ctx = self._context(ctx_hidden)
         ctx_rope = self.rotary_emb(ctx_positions)
         block_rope = self.rotary_emb(block_positions)
         h = block_embeds.to(self.norm.weight.dtype)  # residual stream in the parameters' dtype
-        for layer in self.layers:
+        for layer, kind in zip(self.layers, self.config.layer_types):
             ctx_kv = layer.self_attn.project_kv(ctx, ctx_rope)
-            h = layer(h, ctx_kv, block_rope, mask)
+            h = layer(h, ctx_kv, block_rope, layer_mask(mask, kind))
         return self.norm(h)
 
     def new_cache(self) -> DraftCache:
@@ -439,14 +517,22 @@ class DFlashDrafter(nn.Module):
                      cache: DraftCache) -> torch.Tensor:
         """One drafting step: append the newly accepted context [R,n,L*H] (n may be 0) at
         `ctx_positions` [R,n] to `cache`, then let the block [R,B,H] at `block_positions` [R,B] attend
-        to all cached context and to itself (bidirectional). Returns [R,B,H] after the final norm."""
+        to all cached context and to itself (bidirectional); on a sliding layer a block query at
+        position p sees only the keys at positions p - W < j <= p. Returns [R,B,H] after the final norm."""
         self._check_features(new_ctx_hidden)
         n = new_ctx_hidden.shape[1]
         ctx = self._context(new_ctx_hidden) if n else None
         ctx_rope = self.rotary_emb(ctx_positions) if n else None
         block_rope = self.rotary_emb(block_positions)
         h = block_embeds.to(self.norm.weight.dtype)
-        for i, layer in enumerate(self.layers):
+        kv_pos = cache.add_positions(ctx_positions) if n else cache.positions
+        sliding = None
+        if self.config.has_sliding:
+            kv_pos = block_positions[:, :0] if kv_pos is None else kv_pos
+            j = torch.cat([kv_pos, block_positions], 1)[:, None, None, :]  # [R, 1, 1, ctx + B]
+            p = block_positions[:, None, :, None]  # [R, 1, B, 1]
+            sliding = (j <= p) & (j > p - self.config.sliding_window)
+        for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
             if n:
                 ctx_kv = cache.append(i, *layer.self_attn.project_kv(ctx, ctx_rope))
             elif cache.k[i] is not None:
@@ -455,7 +541,7 @@ class DFlashDrafter(nn.Module):
                 R, a = h.shape[0], layer.self_attn
                 empty = h.new_zeros(R, a.n_kv, 0, a.head_dim)
                 ctx_kv = (empty, empty)
-            h = layer(h, ctx_kv, block_rope, None)
+            h = layer(h, ctx_kv, block_rope, sliding if kind == SLIDING_ATTENTION else None)
         return self.norm(h)
 
 

@@ -96,7 +96,12 @@ def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     out_dir = Path(out_dir)
     check_safetensors(out_dir / "model.safetensors")
     d = json.loads((out_dir / "config.json").read_text())
-    drafter = DFlashDrafter(DrafterConfig.from_hf_dict(d))
+    cfg = DrafterConfig.from_hf_dict(d)
+    eagle = d.get("eagle_aux_hidden_state_layer_ids")
+    if eagle is not None and list(eagle) != [i + 1 for i in cfg.target_layer_ids]:
+        raise DFlashError(f"export {out_dir}: eagle_aux_hidden_state_layer_ids {eagle} is not target_layer_ids + 1 "
+                          f"({cfg.target_layer_ids}); vLLM would feed the drafter other layers than it was trained on.")
+    drafter = DFlashDrafter(cfg)
     missing, unexpected = drafter.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
@@ -128,13 +133,41 @@ def _check_out(out: Path, source: Path) -> None:
             )
 
 
+def _is_local_path(v) -> bool:
+    return isinstance(v, str) and (v.startswith(("/", "~", "\\")) or (len(v) > 2 and v[1] == ":" and v[2] in "/\\"))
+
+
+def _without_local_paths(d: dict) -> dict:
+    """Top-level entries holding a path of this machine (transformers' `_name_or_path`, carried-over
+    extras) are left out of an export that is meant to be copied elsewhere."""
+    drop = [k for k, v in d.items() if k in ("_name_or_path", "name_or_path") or _is_local_path(v)]
+    return {k: v for k, v in d.items() if k not in drop}
+
+
+def engine_config(cfg) -> dict:
+    """The export's config.json: DrafterConfig.to_hf_dict() plus what the engines read first.
+
+    vLLM takes the target's capture points from `eagle_aux_hidden_state_layer_ids` before
+    `dflash_config.target_layer_ids` (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py): the stream
+    entering layer i + 1 for DFlash id i.  A drafter whose ids the engines could not serve is refused."""
+    from dflash.model import engine_layer_problem
+
+    problem = engine_layer_problem(cfg.target_layer_ids, cfg.num_target_layers)
+    if problem:
+        raise ConfigError(f"cannot export this drafter for vLLM / SGLang: {problem}")
+    hf = _without_local_paths(cfg.to_hf_dict())
+    hf["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg.target_layer_ids]
+    return hf
+
+
 def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None) -> Path:
     """Write `drafter` as a DFlashDraftModel directory at `out`, atomically."""
     from safetensors.torch import save_file
 
     out = Path(out)
     cfg = drafter.config
-    hf = cfg.to_hf_dict()
+    hf = engine_config(cfg)
+    metadata = {k: v for k, v in (metadata or {}).items() if not _is_local_path(v)}
     hf["architectures"] = ["DFlashDraftModel"]
     hf["model_type"] = "qwen3"
     hf["dtype"] = _HF_DTYPE[dtype]
@@ -173,7 +206,8 @@ def _random_batch(cfg, lm_head: torch.Tensor, seed: int = 0):
     block_pos = torch.zeros(1, Q, dtype=torch.long)
     for j, a in enumerate(anchors):
         block_pos[0, j * B : (j + 1) * B] = torch.arange(a, a + B)
-    meta = masks.mask_metadata([0], [S], [0] * len(anchors), anchors, B, S, Q)
+    meta = masks.mask_metadata([0], [S], [0] * len(anchors), anchors, B, S, Q,
+                               sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     embeds = torch.randn(1, Q, cfg.hidden_size, generator=g)
     return ctx, embeds, torch.arange(S).view(1, -1), block_pos, masks.to_dense_mask(meta)
 
@@ -195,7 +229,7 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     b = ref(*batch) @ lm_head.t()
     diff = float((a - b).abs().max())
     scale = float(b.abs().max())
-    fields = exported.config.to_hf_dict() == ref.config.to_hf_dict()
+    fields = _without_local_paths(exported.config.to_hf_dict()) == _without_local_paths(ref.config.to_hf_dict())
     ok = diff <= 1e-4 * max(1.0, scale) and fields
     return {"ok": ok, "max_abs_logit_diff": diff, "max_abs_logit": scale, "config_round_trip": fields,
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
@@ -223,7 +257,7 @@ def run_export(cfg: ExportConfig) -> dict:
     source, out = Path(cfg.source), Path(cfg.out)
     drafter, ckpt, train_config = load_training_drafter(source)
     _check_out(out, ckpt)
-    export_drafter(drafter, out, dtype, metadata={"source": str(ckpt)})
+    export_drafter(drafter, out, dtype, metadata={"source": ckpt.name})  # no path of this machine
     result = {"out": str(out), "checkpoint": str(ckpt), "dtype": cfg.dtype}
     print(f"exported {ckpt} -> {out} ({cfg.dtype})")
     if cfg.check:

@@ -85,6 +85,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
         rows_per_batch=1,
         mask_token_id=cfg.mask_token_id,
         seed=seed,
+        sliding_window=cfg.sliding_window if cfg.has_sliding else None,  # the training masks, per layer
     )
     ds = L.PackedDataset(store, spec)
     plan = ds.plan(0)

@@ -180,7 +180,8 @@ class PackedDataset(torch.utils.data.Dataset):
                 c0 += T
                 q0 += n
             b["ctx_hidden"][r, c0:] = 0  # padding: masked out, but a NaN bit pattern would leak through P @ V
-            metas.append(masks.mask_metadata(starts, lens, block_sample, block_anchor, B, S, Q))
+            metas.append(masks.mask_metadata(starts, lens, block_sample, block_anchor, B, S, Q,
+                                             sliding_window=spec.sliding_window))
         b["mask"] = masks.stack_metadata(metas)
         # made here, on the CPU, so the loss needs no nonzero() (a device-to-host sync) in the step
         b["label_index"] = (b["labels"].reshape(-1) != IGNORE).nonzero().squeeze(1)

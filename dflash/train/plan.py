@@ -37,6 +37,7 @@ class LoaderSpec:
     num_shapes: int = 3
     kd: bool = False
     balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
+    sliding_window: int | None = None  # the drafter has sliding-window layers: their masks too (masks.py)
 
     @property
     def s_shapes(self) -> list[int]:

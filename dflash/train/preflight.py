@@ -214,8 +214,28 @@ def _ids_in_store(store, ids: set[int]) -> set[int]:
     return seen
 
 
+def _layer_types(cfg: TrainConfig) -> tuple[list[str] | None, int | None]:
+    """--layer-types / --sliding-window, checked: one of full/sliding per drafter layer, a window exactly
+    when some layer slides (docs/DESIGN.md §4)."""
+    types, window = cfg.layer_types, cfg.sliding_window
+    if types is not None:
+        bad = [t for t in types if t not in ("full", "sliding")]
+        if bad or len(types) != cfg.num_layers:
+            raise ConfigError(f"--layer-types {','.join(types)} must give full or sliding for each of the "
+                              f"{cfg.num_layers} drafter layers (--num-layers), e.g. "
+                              f"{','.join(['sliding'] * (cfg.num_layers - 1) + ['full'])}.")
+    sliding = "sliding" in (types or ())
+    if sliding and (window is None or window < 1):
+        raise ConfigError("--layer-types has sliding layers: pass --sliding-window W (keys at most W positions "
+                          "back, the query's own token included), e.g. --sliding-window 2048.")
+    if window is not None and not sliding:
+        raise ConfigError(f"--sliding-window {window} without a sliding layer in --layer-types does nothing; "
+                          "pass --layer-types with sliding layers, or leave the window out.")
+    return types, window
+
+
 def preflight(cfg: TrainConfig) -> Setup:
-    from dflash.model import DrafterConfig
+    from dflash.model import DrafterConfig, engine_layer_problem
     from dflash.store import compare_manifest, open_store
     from dflash.target.files import target_config, target_identity, tokenizer_hash
 
@@ -239,7 +259,10 @@ def preflight(cfg: TrainConfig) -> Setup:
     vocab_rows = int(identity.get("vocab_size") or 0)
     mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store)
     dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
-                                     list(store.target_layer_ids), mask_id)
+                                     list(store.target_layer_ids), mask_id, *_layer_types(cfg))
+    problem = engine_layer_problem(dcfg.target_layer_ids, dcfg.num_target_layers)
+    if problem:  # it would train, but vLLM / SGLang could not serve the export (docs/DESIGN.md §2)
+        raise ConfigError(f"store {cfg.store} cannot train a drafter the engines can serve: {problem}")
     if dcfg.hidden_size * len(dcfg.target_layer_ids) != store.hidden_size * len(store.target_layer_ids):
         raise StoreError(f"store {cfg.store} holds features of width {store.hidden_size} x "
                          f"{len(store.target_layer_ids)} layers, but the drafter expects hidden size {dcfg.hidden_size}.")
@@ -254,6 +277,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
+        sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
     return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store)
 

@@ -230,6 +230,43 @@ def test_a_train_lock_held_elsewhere_refuses_before_any_check(tmp_path, tiny_sto
         _kill_group(holder)
 
 
+def _torchrun(*args, cwd):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash.cli", *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _holder(directory: Path) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(directory)], env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert p.stdout.readline().strip() == "held", p.stderr.read()
+    return p
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank0_holds_the_locks(tmp_path, tiny_target):
+    """Both stages under torchrun (2 ranks): refused while another process holds the lock, naming it; run
+    once the holder is killed, leaving no lock file."""
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 8)
+    store, run = tmp_path / "store", tmp_path / "run"
+    pre = ["precompute", "--target", tiny_target, "--data", data, "--out", store, "--gpus", "cpu",
+           "--target-layers", "1,2", "--max-length", "128", "--topk", "2"]
+    train = ["train", "--store", store, "--target", tiny_target, "--out", run, "--gpus", "cpu:2", "--steps", "2",
+             "--block-size", "4", "--num-layers", "1", "--token-budget", "256", "--num-anchors", "4",
+             "--num-workers", "1", "--compile", "off"]
+    for directory, args in ((store, pre), (run, train)):
+        holder = _holder(directory)
+        try:
+            p = _torchrun(*args, cwd=tmp_path)
+            assert p.returncode != 0 and f"pid {holder.pid}" in p.stderr, p.stderr[-3000:]
+        finally:
+            _kill_group(holder)
+        p = _torchrun(*args, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert not lock_path(directory).exists()
+    assert (run / "metrics.json").is_file()
+
+
 # ---------------------------------------------------------------------------------------------- safe defaults
 
 
