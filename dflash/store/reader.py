@@ -215,7 +215,15 @@ class Store:
         self._shard = self.index.column("shard").to_numpy()
         self._offset = self.index.column("offset").to_numpy()
         self._length = self.index.column("length").to_numpy()
-        self._sums = {a: self.index.column(f"checksum_{a}").to_numpy() for a in self.specs}
+        self._sums: dict[str, np.ndarray] = {}  # checksum columns as numpy, made on first read per process
+
+    def __getstate__(self):
+        return {**self.__dict__, "_sums": {}}  # the index (pickled anyway) holds them
+
+    def _checksum(self, name: str, i: int) -> int:
+        if name not in self._sums:
+            self._sums[name] = self.index.column(f"checksum_{name}").to_numpy()
+        return int(self._sums[name][i])
 
     def _check_complete(self) -> None:
         states = {name: s.get("status", "pending") + ("" if (self.path / name).is_dir() else " (no directory)")
@@ -265,7 +273,7 @@ class Store:
         """Sample i's stored rows of array `name`, checked against the index's checksum when `verify`."""
         shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
         rows = shard.rows(name, lo, lo + int(self._length[i]))
-        if verify and layout.checksum(rows) != int(self._sums[name][i]):
+        if verify and layout.checksum(rows) != self._checksum(name, i):
             raise self._mismatch(i, name)
         return rows
 
@@ -318,7 +326,7 @@ class Store:
             h = xxhash.xxh3_64(memoryview(bits).cast("B"))
             if len(out) < int(self._length[i]):
                 h.update(memoryview(np.ascontiguousarray(shard.rows("hidden", lo + len(out), lo + int(self._length[i])))).cast("B"))
-            if h.intdigest() != int(self._sums["hidden"][i]):
+            if h.intdigest() != self._checksum("hidden", i):
                 raise self._mismatch(i, "hidden")
 
     def __repr__(self) -> str:

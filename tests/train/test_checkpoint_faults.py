@@ -103,6 +103,28 @@ def test_eval_and_export_name_the_truncated_file(tmp_path, drafter, tiny_store):
     assert not (tmp_path / "export").exists()
 
 
+def test_eval_refuses_an_unfinished_store(tmp_path, drafter, tiny_store):
+    """Offline tau of a store precompute is still writing would measure a moving subset: refused."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    target, _, src = tiny_store
+    store = tmp_path / "store"
+    shutil.copytree(src, store)
+    status = store / "shard-00000" / "status.json"
+    status.write_text(json.dumps({**json.loads(status.read_text()), "status": "running"}))
+    run = tmp_path / "run"
+    _save(run, 2, drafter, target)
+    r = CliRunner().invoke(main, ["eval", "--run", str(run), "--store", str(store), "--target", str(target),
+                                  "--device", "cpu", "--out", str(tmp_path / "eval.json")])
+    assert r.exit_code == 1, r.output
+    assert f"store {store} is not complete" in r.output and "still writing" in r.output
+    assert "--overwrite" not in r.output and "Traceback" not in r.output
+
+
 @pytest.fixture
 def full_disk(tmp_path):
     """A 200 KiB tmpfs (root only): writes past it fail with a real ENOSPC."""
