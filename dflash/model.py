@@ -131,7 +131,8 @@ class DrafterConfig:
             num_attention_heads=nh,
             num_key_value_heads=_get(tc, "num_key_value_heads") or nh,
             head_dim=_get(tc, "head_dim") or H // nh,
-            intermediate_size=_get(tc, "intermediate_size"),
+            # MoE targets without a dense MLP width (Qwen3.5-MoE): 3 x hidden, the dense Qwen3 ratio
+            intermediate_size=_get(tc, "intermediate_size") or 3 * H,
             vocab_size=_get(tc, "vocab_size"),
             num_target_layers=n_target,
             target_layer_ids=list(target_layer_ids) if target_layer_ids else default_target_layers(n_target, num_layers),

@@ -9,8 +9,9 @@ One step (as in z-lab's DFlash inference):
    so every context position is projected exactly once.
 2. The target runs the block through its KV cache.  Its greedy token after block prefix `i` is
    `posterior[i]`; the longest prefix of proposals equal to the posteriors is accepted, and
-   `posterior[acc]` is the bonus token and the next anchor.  The target cache is cropped back to the
-   accepted tokens, and their hidden states become the drafter's new context.
+   `posterior[acc]` is the bonus token and the next anchor.  The target cache is cut back to the
+   accepted tokens (dflash/evaluate/target_cache.py: cropped, or on linear-attention layers restored
+   from a snapshot and the accepted tokens re-run), and their hidden states become the drafter's new context.
 
 Both loops emit the prefill's greedy token first, then stop after an eos token (kept) or at
 `max_new_tokens`, so with exact arithmetic their outputs are identical token for token.
@@ -141,7 +142,7 @@ def speculative_generate(
     `drafter` is a `DFlashDrafter` on the target's device and dtype; it uses the target's own input
     embedding and lm_head (docs/DESIGN.md §2).
     """
-    from transformers import DynamicCache
+    from dflash.evaluate.target_cache import TargetCache
 
     cfg = drafter.config
     B, mask_id = cfg.block_size, cfg.mask_token_id
@@ -154,9 +155,9 @@ def speculative_generate(
     _sync(device)
     t0 = time.perf_counter()
     with LayerCapture(target, cfg.target_layer_ids) as capture:
-        target_cache = DynamicCache(config=target.config)
+        target_cache = TargetCache(target)  # crop, or snapshot + re-run for linear attention (target_cache.py)
         kw = _cache_kw(target)
-        out = target(input_ids=prompt_ids, **{kw: target_cache}, use_cache=True, logits_to_keep=1)
+        out = target(input_ids=prompt_ids, **{kw: target_cache.cache}, use_cache=True, logits_to_keep=1)
         anchor = out.logits[0, -1].argmax()
         context = capture.features()  # features of positions [drafted, start) not yet in the draft cache
         draft_cache = drafter.new_cache()
@@ -180,16 +181,20 @@ def speculative_generate(
                 proposals = propose(start, proposals).to(device=device, dtype=torch.long)
             block[0, 1:] = proposals
 
-            out = target(input_ids=block, **{kw: target_cache}, use_cache=True)
+            target_cache.before_block()
+            out = target(input_ids=block, **{kw: target_cache.cache}, use_cache=True)
             posterior = out.logits[0].argmax(-1)  # posterior[i]: the target's token after block[: i + 1]
             acc = int((block[0, 1:] == posterior[:-1]).long().cumprod(0).sum())
             acceptance.append(acc + 1)
             anchor = posterior[acc]
             new = block[0, 1 : acc + 1].tolist() + [int(anchor)]
             tokens, done = _finish(tokens + new, max_new_tokens, eos_ids)
-            start += acc + 1
-            crop_cache(target_cache, start)
             context = capture.features()[:, : acc + 1]
+            if target_cache.keep(start, B, acc + 1) and not done:
+                # linear-attention states were restored to `start`: advance every layer by the accepted tokens
+                target(input_ids=block[:, : acc + 1], **{kw: target_cache.cache}, use_cache=True, logits_to_keep=1)
+                context = capture.features()
+            start += acc + 1
     _sync(device)
     return Generation(tokens=tokens, seconds=time.perf_counter() - t0, acceptance=acceptance)
 

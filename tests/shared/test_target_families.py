@@ -1,0 +1,92 @@
+"""Every supported target family: capture equals a direct forward, the frozen embedding and lm_head are
+found whatever the wrapper's weight names (tied too), and the layer count comes from the text config.
+
+The checkpoints are tiny random-init models saved with save_pretrained (tests/target_families.py),
+including the Qwen3.5 vision-language wrapper whose language model lives under `model.language_model.*`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.target.capture import Capture, decoder_layers, load_target
+from dflash.target.files import default_target_layers, load_embed_and_head, target_identity
+from target_families import FAMILIES, HYBRID, make_family_target
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    d = make_family_target(tmp_path_factory.mktemp(request.param), request.param, num_layers=4)
+    return request.param, d, load_target(d, torch.float32, CPU)
+
+
+def test_layers_and_identity_come_from_the_text_config(family):
+    name, d, model = family
+    ident = target_identity(d)
+    assert ident["num_hidden_layers"] == 4 == len(decoder_layers(model))
+    assert ident["hidden_size"] == 64
+    assert ident["vocab_size"] == model.config.get_text_config().vocab_size
+    assert ident["model_type"] == name.removesuffix("_vl")
+    if name in HYBRID:
+        types = model.config.get_text_config().layer_types
+        assert "linear_attention" in types and "full_attention" in types
+
+
+def test_capture_equals_a_direct_forward(family):
+    _, _, model = family
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size - 8, (3, 13))
+    lengths = torch.tensor([13, 9, 4])
+    layers = [2, 0, 3]  # the last layer's output is taken after the final norm, like hidden_states[-1]
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True, use_cache=False)
+    got = Capture(model, layers, topk=5, lm_head_chunk=7, compile="off")(ids, lengths)
+    want = torch.cat([ref.hidden_states[i + 1] for i in layers], dim=-1)
+    assert got["hidden"].shape == want.shape == (3, 13, 3 * 64)
+    # padded rows: causal attention and causal linear attention never look right, so real positions match
+    for b, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got["hidden"][b, :n], want[b, :n], rtol=1e-5, atol=1e-5)
+    lp, ix = torch.log_softmax(ref.logits.float(), dim=-1).topk(5, dim=-1)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(got["topk_ids"][b, :n], ix[b, :n])
+        torch.testing.assert_close(got["topk_logprobs"][b, :n], lp[b, :n], rtol=0, atol=1e-5)
+    # early stop (top-k off) gives the same hidden states
+    early = Capture(model, [0, 1], topk=0)(ids[:1])
+    torch.testing.assert_close(early["hidden"], torch.cat([ref.hidden_states[1][:1], ref.hidden_states[2][:1]], -1))
+
+
+def test_embedding_and_head_found_in_the_safetensors(family):
+    _, d, model = family
+    embed, head = load_embed_and_head(d)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight)
+    assert not torch.equal(embed, head)  # untied: two different tensors
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_next", "gpt_oss", "llama"])
+def test_tied_embeddings(tmp_path, name):
+    d = make_family_target(tmp_path, name, num_layers=2, tie_word_embeddings=True)
+    model = load_target(d, torch.float32, CPU)
+    embed, head = load_embed_and_head(d)
+    assert torch.equal(embed, model.get_input_embeddings().weight)
+    assert torch.equal(head, model.get_output_embeddings().weight) and torch.equal(head, embed)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl"])
+def test_vl_wrapper_loads_the_saved_language_model(tmp_path, name):
+    """AutoModelForCausalLM on the VL checkpoint must give the wrapper's own text logits: the weights under
+    model.language_model.* are loaded, not re-initialised."""
+    import transformers as tf
+
+    d = make_family_target(tmp_path, name, num_layers=2)
+    wrapper_cls = tf.Qwen3_5ForConditionalGeneration if name == "qwen3_5_vl" else tf.Qwen3_5MoeForConditionalGeneration
+    wrapper = wrapper_cls.from_pretrained(d, dtype=torch.float32).eval()
+    model = load_target(d, torch.float32, CPU)
+    ids = torch.randint(0, 500, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, wrapper(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    assert default_target_layers(len(decoder_layers(model)), 1) == [1]
