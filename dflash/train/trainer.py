@@ -106,8 +106,9 @@ class Trainer:
         latest, (model_state, drafter_cfg, train_state, _) = found
         if drafter_cfg != self.setup.drafter_config.to_hf_dict():
             raise ConfigError(
-                f"checkpoint {latest} was trained with a different drafter (block size, layers, target "
-                "layers or mask token); resume with the original options or start a new --out directory."
+                f"checkpoint {latest} was trained with a different drafter (block size, layers, layer types, "
+                "sliding window, target layers or mask token); resume with the original options or start a "
+                "new --out directory."
             )
         self.load_state_dict({"model": model_state, **train_state})
 
