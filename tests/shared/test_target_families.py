@@ -90,3 +90,26 @@ def test_vl_wrapper_loads_the_saved_language_model(tmp_path, name):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, wrapper(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
     assert default_target_layers(len(decoder_layers(model)), 1) == [1]
+
+
+@pytest.mark.slow  # a real precompute and two CPU training steps per family, ~5-10 s each
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "gpt_oss", "qwen3_moe"])
+def test_precompute_and_train_on_the_family(tmp_path, name):
+    import json
+    import math
+
+    from dflash.config import TrainConfig
+    from dflash.train.launch import launch_train
+    from helpers import build_store, make_conversations_jsonl
+
+    d = make_family_target(tmp_path, name, num_layers=4)
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", n=12, max_words=10)
+    store = build_store(tmp_path / "store", d, data, max_length=96)
+    ident = json.loads((store / "manifest.json").read_text())["target"]
+    assert ident["num_hidden_layers"] == 4 and ident["hidden_size"] == 64
+    out = tmp_path / "run"
+    launch_train(TrainConfig(store=str(store), target=str(d), out=str(out), gpus="cpu:1", block_size=4, num_layers=1,
+                             token_budget=256, num_anchors=4, num_workers=1, compile="off", seed=0, steps=2,
+                             save_every=2, warmup_steps=1))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and math.isfinite(rows[-1]["loss"])
