@@ -26,7 +26,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 
-EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 HEAD_KEYS = ("lm_head.weight",)
 
 

@@ -113,3 +113,16 @@ def test_precompute_and_train_on_the_family(tmp_path, name):
                              save_every=2, warmup_steps=1))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and math.isfinite(rows[-1]["loss"])
+
+
+def test_the_language_models_embedding_wins_over_other_embed_tokens(tmp_path):
+    """A VL checkpoint may hold other `*embed_tokens.weight` tensors (an MTP head...): the language model's is taken."""
+    from safetensors.torch import load_file, save_file
+
+    d = make_family_target(tmp_path, "qwen3_5_vl", num_layers=2)
+    tensors = load_file(d / "model.safetensors")
+    real = tensors["model.language_model.embed_tokens.weight"]
+    tensors["a.mtp.embed_tokens.weight"] = torch.randn_like(real)  # sorts first in the file
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    embed, _ = load_embed_and_head(d)
+    assert torch.equal(embed, real)
