@@ -245,8 +245,8 @@ def _holder(directory: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_under_torchrun_rank0_holds_the_locks(tmp_path, tiny_target):
-    """Both stages under torchrun (2 ranks): refused while another process holds the lock, naming it; run
-    once the holder is killed, leaving no lock file."""
+    """Both stages under torchrun (2 ranks): refused while another process holds the lock, naming it; the
+    lock is free once the holder is killed (the stages' success under torchrun is tests/train/test_torchrun.py's)."""
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 8)
     store, run = tmp_path / "store", tmp_path / "run"
     pre = ["precompute", "--target", tiny_target, "--data", data, "--out", store, "--gpus", "cpu",
@@ -261,10 +261,9 @@ def test_under_torchrun_rank0_holds_the_locks(tmp_path, tiny_target):
             assert p.returncode != 0 and f"pid {holder.pid}" in p.stderr, p.stderr[-3000:]
         finally:
             _kill_group(holder)
-        p = _torchrun(*args, cwd=tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
+        with dir_lock(directory, "test", "--out"):  # the killed holder's lock is taken over
+            assert lock_path(directory).exists()
         assert not lock_path(directory).exists()
-    assert (run / "metrics.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------------- safe defaults
