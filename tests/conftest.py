@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
@@ -23,3 +25,20 @@ def tiny_store(tmp_path_factory, tiny_target):
     data = make_conversations_jsonl(d / "chats.jsonl", 24)
     store = build_store(d / "store", tiny_target, data)
     return tiny_target, data, store
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 200 KiB tmpfs (root only): writes past it fail with a real ENOSPC."""
+    d = tmp_path / "tmpfs"
+    d.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(d)], capture_output=True)
+    except OSError:
+        r = None
+    if r is None or r.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the fsync fault-injection tests cover the messages")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)

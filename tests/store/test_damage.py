@@ -11,7 +11,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -269,23 +268,6 @@ def test_running_shard_refused_for_training(store, tiny_store, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------
 # disk full while writing
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 200 KiB tmpfs (root only): writes past it fail with a real ENOSPC."""
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(d)], capture_output=True)
-    except OSError:
-        r = None
-    if r is None or r.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); test_disk_full_at_fsync covers the messages")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
 
 
 @pytest.mark.slow  # ~16 s: a real precompute into a full tmpfs

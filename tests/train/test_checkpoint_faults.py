@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -123,23 +122,6 @@ def test_eval_refuses_an_unfinished_store(tmp_path, drafter, tiny_store):
     assert r.exit_code == 1, r.output
     assert f"store {store} is not complete" in r.output and "still writing" in r.output
     assert "--overwrite" not in r.output and "Traceback" not in r.output
-
-
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 200 KiB tmpfs (root only): writes past it fail with a real ENOSPC."""
-    d = tmp_path / "tmpfs"
-    d.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(d)], capture_output=True)
-    except OSError:
-        r = None
-    if r is None or r.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); test_disk_full_checkpoint_at_fsync covers it")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", str(d)], check=False)
 
 
 def _assert_disk_full(e, run: Path) -> None:
