@@ -17,6 +17,7 @@ from dflash.config import (
     FIELDS,
     EvalConfig,
     ExportConfig,
+    GenerateConfig,
     PrecomputeConfig,
     TrainConfig,
     build_config,
@@ -101,6 +102,8 @@ def main(debug: bool) -> None:
     """Train DFlash speculative-decoding drafters.
 
     \b
+    Optionally, the target first writes the responses it will be served with:
+      dflash generate --target DIR --data chats.jsonl --out regenerated.jsonl
     Stage one writes the target's hidden states to a sharded store:
       dflash precompute --target DIR --data chats.jsonl --out STORE --shards 5
     Stage two trains the drafter from it, one process per GPU:
@@ -109,6 +112,21 @@ def main(debug: bool) -> None:
       dflash eval --run RUN --store HELDOUT_STORE
       dflash export RUN OUT --check
     """
+
+
+@main.command()
+@config_option
+@options_from(GenerateConfig)
+@user_errors
+def generate(config, **flags):
+    """Rewrite a dataset's assistant turns with the target's own responses (in-process or via a server).
+
+    The rows are written back in the format they were read, as JSON lines.  Rerunning the same command
+    continues an interrupted run; finished rows are never generated again.
+    """
+    from dflash.generate.run import run_generate
+
+    run_generate(build_config(GenerateConfig, _config_path(config), flags, explicit=config is not None))
 
 
 @main.command()

@@ -166,7 +166,44 @@ class ExportConfig:
                      ("bf16", "fp16", "fp32"))
 
 
+@dataclass
+class GenerateConfig:
+    """`dflash generate`: the target writes the dataset's assistant turns, in-process or through an
+    OpenAI-compatible server; resumable (docs/DESIGN.md §10)."""
+
+    target: str = opt("", "Local target checkpoint: the in-process model; with --endpoint optional (its chat "
+                      "template is checked for the thinking switch).")
+    data: str = opt("", "Conversations: json/jsonl/parquet/arrow file(s) or a saved `datasets` directory.")
+    out: str = opt("", "Output JSON-lines file, the rows in the format read; rerunning the same command resumes.")
+    endpoint: str | None = opt(None, "Base URL of an OpenAI-compatible server (vLLM, SGLang, `transformers "
+                               "serve`), e.g. http://127.0.0.1:8000/v1; default: generate in-process.")
+    model: str | None = opt(None, "Model name on the server; default the one it lists, when it lists one.")
+    gpus: str = opt("auto", "In-process: 'auto' (CUDA when present), 'cpu', or GPU ids '0,1' (one process each).")
+    dtype: str = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.", ("auto", "bf16", "fp32"))
+    batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
+    max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
+    temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
+    top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
+    seed: int = opt(0, "Sampling seed (row r of a request is seeded seed + r on servers that take a seed).")
+    thinking: str = opt("template", "The chat template's thinking switch (enable_thinking): on, off, or the "
+                        "template's own default. Match the serving setup.", ("on", "off", "template"))
+    turns: str = opt("all", "Assistant turns to regenerate: all (each after the target's own earlier turns), last, "
+                     "or none (the rows written back as read: the pipeline's stage switched off).",
+                     ("all", "last", "none"))
+    concurrency: int = opt(16, "With --endpoint: requests in flight.")
+    timeout: float = opt(600.0, "With --endpoint: seconds a request may take before it is retried.")
+    retries: int = opt(5, "With --endpoint: retries of a request that timed out or met a connection error, 408, "
+                       "429 or 5xx, with exponential backoff.")
+    split: str = opt("train", "Split to read from a saved DatasetDict.")
+    max_samples: int | None = opt(None, "Read only the first N rows.")
+    trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
+    overwrite: bool = opt(False, "Discard an existing output and its journal and start over.")
+    restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing output was made from "
+                                "other inputs (for pipelines); the same inputs resume.")
+
+
 SECTIONS: dict[type, str] = {
+    GenerateConfig: "generate",
     PrecomputeConfig: "precompute",
     TrainConfig: "train",
     EvalConfig: "eval",
@@ -328,6 +365,7 @@ FIELDS: dict[type, dict[str, dataclasses.Field]] = {
 }
 
 __all__ = [
+    "GenerateConfig",
     "PrecomputeConfig",
     "TrainConfig",
     "EvalConfig",

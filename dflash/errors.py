@@ -41,5 +41,9 @@ class StoreError(DFlashError):
     """A store that is missing, corrupt or does not match what the caller needs."""
 
 
+class GenerateError(DFlashError):
+    """`dflash generate`: a server that cannot be reached or refuses, or an output that cannot be written."""
+
+
 class LockedError(DFlashError):
     """A store or run directory that another live command is writing (dflash/locks.py)."""

@@ -1,0 +1,167 @@
+"""The rows still to do through an engine, window by window, each window's rows appended to a journal.
+
+One device or a server: in this process.  Several GPUs: one spawned process per GPU (as precompute
+does), each taking every N-th row left and appending to a journal of its own; the launcher only draws
+the progress bar from their reports.  A row's turns are generated in order (`--turns all`: each one
+after the target's own earlier ones); a window's rows advance turn by turn together, so that each round
+is one batch of requests.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+from tqdm import tqdm
+
+from dflash.errors import DFlashError, GenerateError
+from dflash.generate.journal import Journal
+from dflash.generate.local import Request
+from dflash.generate.rows import Plan, apply_response, prompt_messages, write_back
+
+
+def make_engine(cfg, device: str | None):
+    if cfg.endpoint:
+        from dflash.generate.endpoint import EndpointEngine
+
+        return EndpointEngine(cfg)
+    from dflash.generate.local import LocalEngine
+
+    return LocalEngine(cfg, device or "cpu")
+
+
+def window_size(cfg) -> int:
+    return max(cfg.concurrency, 1) * 4 if cfg.endpoint else max(cfg.batch_size, 1) * 4
+
+
+def run_window(engine, cfg, rows: list[dict], chunk: list[Plan]) -> list[dict]:
+    """Journal records of the window's rows: every planned turn generated, in order."""
+    convs = {p.row: p.messages for p in chunk}
+    pending = {p.row: list(p.turns) for p in chunk}
+    acc = {p.row: {"tokens": 0, "cut": 0, "failed": None} for p in chunk}
+    while True:
+        reqs = [Request(r, prompt_messages(convs[r], turns[0])) for r, turns in pending.items() if turns]
+        if not reqs:
+            break
+        for resp in engine.generate(reqs, cfg.seed):
+            turn = pending[resp.key].pop(0)
+            if resp.error is not None:
+                acc[resp.key]["failed"] = resp.error
+                pending[resp.key] = []
+                continue
+            convs[resp.key] = apply_response(convs[resp.key], turn, resp.text)
+            acc[resp.key]["tokens"] += resp.tokens
+            acc[resp.key]["cut"] += int(resp.cut)
+    return [{"row": p.row, "out": None if acc[p.row]["failed"] else write_back(rows[p.row], p, convs[p.row]),
+             **acc[p.row]} for p in chunk]
+
+
+def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report) -> None:
+    """`report(rows, tokens)` after each window is durable in the journal."""
+    size = window_size(cfg)
+    for w in range(0, len(todo), size):
+        records = run_window(engine, cfg, rows, todo[w:w + size])
+        journal.append(records)
+        report(len(records), sum(r["tokens"] for r in records))
+    journal.sync()
+
+
+class Bar:
+    """tqdm over rows, with tokens/s of this run beside rows/s."""
+
+    def __init__(self, total: int, initial: int):
+        self.t0, self.tokens = time.time(), 0
+        self.bar = tqdm(total=total, initial=initial, unit="row", desc="generate", dynamic_ncols=True,
+                        file=sys.stderr, mininterval=0.5)
+
+    def __call__(self, rows: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.bar.set_postfix_str(f"{self.tokens / max(time.time() - self.t0, 1e-9):.0f} tokens/s", refresh=False)
+        self.bar.update(rows)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -> None:
+    devices = [None]
+    if not cfg.endpoint:
+        from dflash.generate.local import devices as local_devices
+
+        devices = local_devices(cfg.gpus)
+        if devices == ["cpu"]:
+            print("generate: running in-process on CPU (no GPU requested or available).", flush=True)
+    bar = Bar(len(rows), resumed)
+    try:
+        if len(devices) == 1:
+            engine = make_engine(cfg, devices[0])
+            journal = Journal(work, 0)
+            try:
+                drive(engine, cfg, rows, todo, journal, bar)
+            finally:
+                journal.close()
+        else:
+            _spawn(cfg, work, rows, todo, devices, bar)
+    finally:
+        bar.close()
+
+
+def _worker(cfg, work, rows, todo, shard: int, device: str, queue) -> None:
+    try:
+        engine = make_engine(cfg, device)
+        journal = Journal(work, shard)
+        try:
+            drive(engine, cfg, rows, todo, journal, lambda n, t: queue.put(("progress", shard, (n, t))))
+        finally:
+            journal.close()
+        queue.put(("ok", shard, None))
+    except DFlashError as e:
+        queue.put(("user", shard, str(e)))
+        sys.exit(1)
+    except BaseException:
+        queue.put(("bug", shard, traceback.format_exc()))
+        sys.exit(1)
+
+
+def _spawn(cfg, work, rows, todo, devices: list[str], bar: Bar) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    n = len(devices)
+    procs = [ctx.Process(target=_worker, args=(cfg, work, rows, todo[k::n], k, d, queue)) for k, d in enumerate(devices)]
+    for p in procs:
+        p.start()
+    finished, failure = set(), None
+    try:
+        while len(finished) < n and failure is None:
+            while not queue.empty():
+                kind, shard, payload = queue.get()
+                if kind == "progress":
+                    bar(*payload)
+                    continue
+                finished.add(shard)
+                failure = failure or (None if kind == "ok" else (kind, shard, payload))
+            for k, p in enumerate(procs):
+                if k not in finished and p.exitcode is not None and queue.empty():
+                    failure = failure or ("died", k, f"exit code {p.exitcode}")
+                    finished.add(k)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive() and (failure is not None or sys.exc_info()[0] is not None):
+                p.terminate()
+            p.join()
+    if failure is None:
+        return
+    kind, shard, payload = failure
+    if kind == "user":
+        raise DFlashError(f"generate process {shard} ({devices[shard]}) failed: {payload}")
+    if kind == "died":
+        raise GenerateError(f"generate process {shard} ({devices[shard]}) died ({payload}; out of memory?). The "
+                            "rows finished so far are kept: rerun the same command to continue.")
+    raise RuntimeError(f"generate process {shard} failed with an unexpected error:\n{payload}")
+
+
+__all__ = ["generate_rows", "drive", "run_window", "make_engine"]

@@ -1,0 +1,155 @@
+"""In-process generation: transformers' `generate` over length-sorted, left-padded batches (docs/DESIGN.md §10).
+
+Why not transformers' continuous batching (`generate_batch` / `init_continuous_batching`, present in the
+installed transformers): it gave the same greedy tokens here, but drives the model from a background
+thread of its own (the project keeps model work on a process's main thread, DESIGN §1) and costs a fixed
+start-up per call on CPU that the tests and resumption windows would pay again and again; prompts of
+similar length batched together waste little on padding.
+
+Text is decoded as the OpenAI-compatible servers decode it (special tokens skipped), except that the
+thinking markers `<think>` / `</think>` are kept where a tokenizer marks them special, so the reasoning
+stays in the turn (DESIGN §10).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash.errors import ConfigError
+from dflash.target.capture import load_target, load_tokenizer, resolve_dtype
+
+THINK_TAGS = ("<think>", "</think>")
+
+
+@dataclass
+class Request:
+    key: int          # the row
+    messages: list[dict]
+
+
+@dataclass
+class Response:
+    key: int
+    text: str | None
+    tokens: int = 0
+    cut: bool = False
+    error: str | None = None  # a reason the row cannot be generated (it is left out and counted)
+
+
+def devices(gpus: str, shards_wanted: int | None = None) -> list[str]:
+    """One device per in-process worker: ['cpu'], or one CUDA device per listed GPU."""
+    spec = (gpus or "auto").strip().lower()
+    if spec not in ("cpu", "auto") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"--gpus {gpus} asks for GPUs but CUDA is not available in this environment (torch "
+            f"{torch.__version__}); generate on CPU with --gpus cpu, or leave --gpus at auto."
+        )
+    if spec == "cpu" or not torch.cuda.is_available():
+        return ["cpu"]
+    if spec == "auto":
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    try:
+        ids = [int(g) for g in spec.split(",") if g.strip()]
+    except ValueError:
+        raise ConfigError(f"--gpus {gpus!r}: give GPU indices like 0,1,2, or cpu, or auto.") from None
+    return [f"cuda:{i}" for i in ids]
+
+
+def template_kwargs(thinking: str) -> dict:
+    return {} if thinking == "template" else {"enable_thinking": thinking == "on"}
+
+
+def check_thinking(tokenizer, thinking: str, where: str) -> None:
+    """--thinking on/off must reach a template that reads the switch, or it would silently do nothing."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else str(tokenizer.chat_template)
+    if thinking != "template" and "enable_thinking" not in (template or ""):
+        raise ConfigError(
+            f"--thinking {thinking}: the chat template of {where} has no `enable_thinking` switch, so the "
+            "setting would change nothing; use --thinking template, or a target whose template has the switch."
+        )
+
+
+class LocalEngine:
+    """The target on one device, generating batches of requests."""
+
+    def __init__(self, cfg, device: str):
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
+        check_thinking(self.tokenizer, cfg.thinking, f"target {cfg.target}")
+        self.model = load_target(cfg.target, resolve_dtype(cfg.dtype, self.device), self.device,
+                                 cfg.trust_remote_code)
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.think_ids = {self.tokenizer.convert_tokens_to_ids(t): t for t in THINK_TAGS
+                          if t in self.tokenizer.get_vocab()}
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs(self.cfg.thinking))
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """Special tokens skipped, as servers do, but thinking markers kept."""
+        parts, run = [], []
+        for t in ids:
+            if t in self.think_ids:
+                parts += [self.tokenizer.decode(run, skip_special_tokens=True), self.think_ids[t]]
+                run = []
+            else:
+                run.append(t)
+        parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+        return "".join(parts)
+
+    def _finish(self, key: int, ids: list[int]) -> Response:
+        stop = next((j for j, t in enumerate(ids) if t in self.eos), None)
+        body = ids if stop is None else ids[:stop]
+        return Response(key, self.decode(body), tokens=len(ids) if stop is None else stop + 1, cut=stop is None)
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], seed: int = 0) -> list[Response]:
+        """Responses in the order of `requests`; batches of --batch-size prompts sorted by length."""
+        encoded = {r.key: self.encode(r.messages) for r in requests}
+        out: dict[int, Response] = {}
+        ok = []
+        for r in requests:
+            n = len(encoded[r.key])
+            if self.max_positions and n >= self.max_positions:
+                out[r.key] = Response(r.key, None, error=f"prompt of {n} tokens reaches the target's "
+                                      f"max_position_embeddings ({self.max_positions})")
+            else:
+                ok.append(r.key)
+        ok.sort(key=lambda k: (len(encoded[k]), k))
+        bs = max(1, self.cfg.batch_size)
+        for b in range(0, len(ok), bs):
+            keys = ok[b:b + bs]
+            for key, ids in zip(keys, self._batch([encoded[k] for k in keys], seed + keys[0])):
+                out[key] = self._finish(key, ids)
+        return [out[r.key] for r in requests]
+
+    def _batch(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        new = self.cfg.max_new_tokens
+        if self.max_positions:
+            new = max(1, min(new, self.max_positions - width))
+        sample = self.cfg.temperature > 0
+        kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else \
+            dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if sample:
+            torch.manual_seed(seed)
+        seqs = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                   max_new_tokens=new, eos_token_id=sorted(self.eos), pad_token_id=self.pad, **kw)
+        return [row[width:].tolist() for row in seqs.cpu()]
+
+
+__all__ = ["Request", "Response", "LocalEngine", "devices", "template_kwargs", "check_thinking"]

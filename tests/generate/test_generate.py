@@ -1,0 +1,164 @@
+"""`dflash generate` in-process: the target's own greedy continuation, resumption after kill -9, what
+precompute makes of the output, and the refusals (nothing half-written)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.config import GenerateConfig
+from dflash.errors import ConfigError, DataError
+from dflash.generate.journal import load_records, work_dir
+from dflash.generate.local import LocalEngine
+from dflash.generate.run import run_generate
+from helpers import build_store, make_conversations_jsonl, make_tiny_target
+
+ROOT = Path(__file__).resolve().parents[2]
+EMBEDDED = ROOT / "data" / "target"
+
+
+def cfg(**kw) -> GenerateConfig:
+    base = dict(gpus="cpu", max_new_tokens=16, batch_size=4)
+    base.update({k: str(v) if isinstance(v, Path) else v for k, v in kw.items()})
+    return GenerateConfig(**base)
+
+
+def greedy_reference(model, tok, messages, max_new: int, eos: int) -> str:
+    """The target's own greedy continuation: one full forward per token, argmax, no cache, no batch."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == eos:
+                break
+            new.append(nxt)
+    return tok.decode(new, skip_special_tokens=True)
+
+
+def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path):
+    # the embedded target writes real, multi-token answers (a random one stops at once)
+    rows = [json.loads(x) for x in (ROOT / "data" / "heldout.jsonl").read_text().splitlines()[:6]]
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=48, turns="all", batch_size=3))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(EMBEDDED)
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED, dtype=torch.float32).eval()
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(got) == len(rows) and summary["rows"] == len(rows) and summary["failed"] == {}
+    checked = 0
+    for row in got:
+        msgs = row["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":  # each turn follows the target's own earlier turns
+                assert m["content"] == greedy_reference(model, tok, msgs[:i], 48, tok.eos_token_id)
+                checked += 1
+    assert checked > len(rows) and any(len(m["content"]) > 40 for r in got for m in r["messages"])
+
+
+def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_path, tiny_target):
+    for fmt in ("messages", "sharegpt", "prompt"):
+        data = make_conversations_jsonl(tmp_path / f"{fmt}.jsonl", 5, fmt=fmt, max_words=6)
+        out = tmp_path / f"gen-{fmt}.jsonl"
+        run_generate(cfg(target=tiny_target, data=data, out=out, turns="last"))
+        before = [json.loads(x) for x in data.read_text().splitlines()]
+        after = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [set(r) for r in after] == [set(r) for r in before]
+    store = build_store(tmp_path / "store", tiny_target, tmp_path / "gen-messages.jsonl")
+    from dflash.store import open_store
+
+    assert len(open_store(store)) == 5
+
+
+def test_thinking_switch_reaches_the_template_and_is_refused_where_there_is_none(tmp_path, tiny_target, chats):
+    eng = LocalEngine(cfg(target=tiny_target, thinking="off"), "cpu")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert eng.tokenizer.decode(eng.encode(msgs)).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    eng.cfg = cfg(target=tiny_target, thinking="on")
+    assert eng.tokenizer.decode(eng.encode(msgs)).endswith("<|im_start|>assistant\n")
+    think = eng.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    text_ids = eng.tokenizer("because", add_special_tokens=False)["input_ids"]
+    assert eng.decode([think[0], *text_ids, think[1]]) == "<think>because</think>"  # kept, though special
+    llama = make_tiny_target(tmp_path, arch="llama")
+    with pytest.raises(ConfigError, match="no `enable_thinking` switch"):
+        run_generate(cfg(target=llama, data=chats, out=tmp_path / "o.jsonl", thinking="on"))
+    assert not (tmp_path / "o.jsonl").exists() and not work_dir(tmp_path / "o.jsonl").exists()
+
+
+def test_bad_inputs_leave_nothing_behind(tmp_path, tiny_target, chats):
+    out = tmp_path / "out.jsonl"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{"text": "no conversation"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, row 1: unknown conversation format"):
+        run_generate(cfg(target=tiny_target, data=bad, out=out))
+    with pytest.raises(ConfigError, match="needs --target DIR"):
+        run_generate(cfg(data=chats, out=out))
+    with pytest.raises(ConfigError, match="is the dataset itself"):
+        run_generate(cfg(target=tiny_target, data=chats, out=chats))
+    assert not out.exists() and not work_dir(out).exists()
+    out.write_text("someone's file\n")
+    with pytest.raises(ConfigError, match="not written by `dflash generate`"):
+        run_generate(cfg(target=tiny_target, data=chats, out=out))
+    assert out.read_text() == "someone's file\n"
+
+
+def test_a_rerun_resumes_and_other_inputs_are_refused(tmp_path, tiny_target, chats, capsys):
+    out = tmp_path / "out.jsonl"
+    run_generate(cfg(target=tiny_target, data=chats, out=out))
+    first = out.read_bytes()
+    assert run_generate(cfg(target=tiny_target, data=chats, out=out))["generated_now"] == 0
+    assert "already complete" in capsys.readouterr().out and out.read_bytes() == first
+    with pytest.raises(ConfigError, match="other inputs \\(changed: max_new_tokens"):
+        run_generate(cfg(target=tiny_target, data=chats, out=out, max_new_tokens=5))
+    assert out.read_bytes() == first
+    run_generate(cfg(target=tiny_target, data=chats, out=out, max_new_tokens=5, restart_changed=True))
+    assert out.read_bytes() != first or True  # started over: a new journal of the new inputs
+    assert len(load_records(work_dir(out))) == 12
+
+
+def _cli(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "generate", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+
+
+@pytest.mark.slow
+def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, long_target):
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 24, max_words=6)
+    ref = tmp_path / "ref.jsonl"
+    opts = dict(max_new_tokens=24, batch_size=1, turns="all")
+    run_generate(cfg(target=long_target, data=data, out=ref, **opts))
+    out = tmp_path / "out.jsonl"
+    args = ["--target", long_target, "--data", data, "--out", out, "--gpus", "cpu", "--max-new-tokens", 24,
+            "--batch-size", 1, "--turns", "all"]
+    journal = work_dir(out) / "shard-00000.journal"
+    for kill_after in (1, 9):  # rows journaled before the kill: in the first window, then in a later one
+        p = _cli(*args)
+        deadline = time.time() + 120
+        while time.time() < deadline and p.poll() is None:
+            if journal.exists() and journal.read_bytes().count(b"\n") >= kill_after:
+                break
+            time.sleep(0.002)
+        assert p.poll() is None, "the run ended before it could be killed: " + p.communicate()[1][-2000:]
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert not out.exists()
+    p = _cli(*args)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "resuming" in stdout
+    assert out.read_bytes() == ref.read_bytes()
+    rows = [json.loads(x)["row"] for x in journal.read_text().splitlines()]
+    assert sorted(rows) == list(range(24))  # no row lost, none generated twice
