@@ -220,6 +220,13 @@ def conversation_of(row: dict, row_idx: int, path) -> list[dict]:
     )
 
 
+def conversation_key(messages: list[dict]) -> bytes:
+    """16 bytes identifying a conversation by its content (roles and texts as conversation_of gives them),
+    whatever its row, file or format: what `precompute --append` matches a grown dataset on."""
+    canon = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.blake2b(canon.encode(), digest_size=16).digest()
+
+
 # ---------------------------------------------------------------------------------------------- rendering
 
 

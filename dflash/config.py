@@ -61,8 +61,11 @@ class PrecomputeConfig:
                       "GPU) or a thread of the shard's process.", ("process", "thread"))
     trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
     overwrite: bool = opt(False, "Delete an existing store and start over.")
+    append: bool = opt(False, "Grow an existing store: capture only the conversations of --data it does not hold "
+                       "(matched by content, not row), as a new part; committed samples stay as they are.")
     restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
-                                "other inputs (for pipelines); a store of the same inputs is resumed.")
+                                "other inputs (for pipelines); a store of the same inputs is resumed, and with "
+                                "--append another dataset is not another input.")
     seed: int = opt(0, "Seed of the shard split.")
 
 
@@ -134,6 +137,11 @@ class TrainConfig:
     profile_start: int = opt(5, "Steps of this run before profiling starts (after compilation and warm-up).")
     resume: bool = opt(False, "Continue from the newest checkpoint in --out.")
     overwrite: bool = opt(False, "Delete an existing run directory first.")
+    follow: bool = opt(False, "Train while precompute writes the store: wait for it to exist and hold a step's "
+                       "samples; each epoch plans over the samples committed when it starts.  Needs --steps.")
+    follow_poll: float = opt(10.0, "--follow: seconds between looks at the store while waiting for samples.")
+    follow_timeout: float = opt(0.0, "--follow: give up after waiting this many seconds for the store; 0 = wait "
+                                "as long as it takes.")
 
 
 @dataclass

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import torch
 
-from dflash.chat import conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import conversation_key, conversation_of, dataset_fingerprint, load_rows, render
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.locks import dir_lock
+from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
+from dflash.store.parts import Part
 from dflash.target.capture import check_layers, load_tokenizer
 from dflash.target.files import default_target_layers, target_identity, tokenizer_hash
 
@@ -77,13 +79,16 @@ def _check_weights(target_dir: Path) -> None:
             raise TargetError(f"target weights {f} cannot be read ({e}); re-download or re-save the checkpoint.") from None
 
 
-def _check_rows(cfg: PrecomputeConfig, ds, tokenizer) -> None:
-    """Every row has a known format; the first rows render; some row has something to supervise."""
+def _check_rows(cfg: PrecomputeConfig, ds, tokenizer) -> list[bytes]:
+    """Every row has a known format; the first rows render; some row has something to supervise.
+    Returns each row's content key (what an append matches conversations on)."""
     has_assistant = 0
     rendered = 0
     supervised = False
+    keys = []
     for i, row in enumerate(ds):
         msgs = conversation_of(row, i, cfg.data)
+        keys.append(conversation_key(msgs))
         if any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
             has_assistant += 1
             if rendered < CHECK_RENDER_ROWS or not supervised:
@@ -97,10 +102,11 @@ def _check_rows(cfg: PrecomputeConfig, ds, tokenizer) -> None:
             + f" (checked {len(ds)} rows). The drafter learns from assistant tokens only; give conversations "
             "with assistant replies, or a target whose chat template renders them."
         )
+    return keys
 
 
-def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int]]:
-    """Validate everything and return (manifest, layer ids) without touching the store."""
+def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Rows]:
+    """Validate everything and return (manifest, layer ids, the rows' keys) without touching the store."""
     _check_config(cfg, num_shards)
     identity = target_identity(cfg.target)
     _check_weights(Path(cfg.target))
@@ -113,11 +119,13 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int]]:
         layer_ids = sorted(set(default_target_layers(n_layers, cfg.num_draft_layers)))
     check_layers(layer_ids, n_layers, cfg.target)
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
-    _check_rows(cfg, ds, tokenizer)
+    keys = _check_rows(cfg, ds, tokenizer)
+    fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
         "target": identity,
         "tokenizer_hash": tok_hash,
-        "dataset_fingerprint": dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples),
+        "dataset_fingerprint": fingerprint,
+        "content_keys": True,
         "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "max_samples": cfg.max_samples, "num_rows": len(ds)},
         "target_layer_ids": layer_ids,
         "hidden_dtype": cfg.hidden_dtype,
@@ -126,7 +134,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int]]:
         "num_shards": num_shards,
         "precompute_config": to_dict(cfg),
     }
-    return manifest, layer_ids
+    return manifest, layer_ids, Rows(keys, fingerprint)
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -260,12 +268,20 @@ def _print_summary(store, tot: dict, max_length: int) -> None:
 
 def _inputs_changed(cfg: PrecomputeConfig, out: Path, manifest: dict) -> bool:
     """With --restart-changed (pipelines): an existing store made from other inputs is started over,
-    while a store of the same inputs still resumes."""
+    while a store of the same inputs still resumes.  With --append, another dataset is not another input
+    (it grows the store); without it, a dataset no part of the store was made from is."""
     if not cfg.restart_changed or not (out / MANIFEST).is_file():
         return False
     old = read_manifest(out)
-    diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest})
-    if diffs or old.get("format_version") != FORMAT_VERSION:
+    parts = old.get("parts") or [{"num_shards": old["num_shards"], "dataset_fingerprint": old.get("dataset_fingerprint")}]
+    old["num_shards"] = parts[0]["num_shards"]  # the merged view counts every part's
+    diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest}, data=False)
+    if not cfg.append and all(p["dataset_fingerprint"] != manifest["dataset_fingerprint"] for p in parts):
+        diffs.append("dataset fingerprint")
+    if not cfg.append and parts[0]["dataset_fingerprint"] == manifest["dataset_fingerprint"] \
+            and old["num_shards"] != manifest["num_shards"]:
+        diffs.append("num_shards")
+    if diffs or old.get("format_version") != FORMAT_VERSION or not old.get("content_keys"):
         print(f"precompute: {out} was made from other inputs ({'; '.join(diffs) or 'format'}); starting it over.",
               flush=True)
         return True
@@ -308,28 +324,29 @@ def run_precompute(cfg: PrecomputeConfig) -> dict:
 def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) -> dict:
     t0 = time.time()
     num_shards = world[1] if world else cfg.shards
-    manifest, layer_ids = prepare(cfg, num_shards)
+    manifest, layer_ids, rows = prepare(cfg, num_shards)
     out = Path(cfg.out)
 
-    def create() -> bool:
-        """Create or check the manifest; True when every shard is already complete."""
+    def create() -> list[dict]:
+        """Create or check the manifest and choose the parts to capture (grow.py), as summaries."""
         if world:  # rank 0 under torchrun: refused here, the refusal reaches every rank
             held.enter_context(dir_lock(out, "store", "--out"))
         overwrite = cfg.overwrite or _inputs_changed(cfg, out, manifest)
         if overwrite:
             check_overwritable(out)
-        create_or_check_manifest(out, manifest, overwrite=overwrite)
-        return all(st.get("status") == "complete" for st in read_manifest(out)["shards"].values())
+        found = create_or_check_manifest(out, manifest, overwrite=overwrite, data=False)
+        return [p.summary() for p in plan_parts(cfg, out, found, rows, num_shards)]
 
     if world:
         import torch.distributed as dist
 
         rank, world_size, local_rank = world
         owns_group = not dist.is_initialized()
-        complete = _rank0_first(create)
-        if not complete:
+        todo = [Part.from_summary(p) for p in _rank0_first(create)]
+        if todo:
             device = _devices(cfg.gpus, 1, local_offset=local_rank)[0]
-            run_shard(ShardJob(cfg, rank, world_size, device, layer_ids))
+            for part in todo:
+                run_shard(ShardJob(cfg, part.first_shard + rank, world_size, device, layer_ids, part=part))
         dist.barrier()
         if owns_group:
             dist.destroy_process_group()
@@ -337,17 +354,18 @@ def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) ->
             return {}
     else:
         devices = _devices(cfg.gpus, num_shards)  # before the store exists: a bad --gpus writes nothing
-        complete = create()
-        if not complete:
-            if devices[0] == "cpu":
-                print(f"precompute: running {num_shards} shard(s) on CPU (no GPU requested or available).", flush=True)
+        todo = [Part.from_summary(p) for p in create()]
+        if todo and devices[0] == "cpu":
+            print(f"precompute: running {num_shards} shard(s) on CPU (no GPU requested or available).", flush=True)
+        for part in todo:
             if num_shards == 1:
-                run_shard(ShardJob(cfg, 0, 1, devices[0], layer_ids))
+                run_shard(ShardJob(cfg, part.first_shard, 1, devices[0], layer_ids, part=part))
             else:
                 threads = max(1, (os.cpu_count() or 1) // num_shards) if devices[0] == "cpu" else 0
-                _spawn([ShardJob(cfg, i, num_shards, devices[i], layer_ids, threads, os.getpid()) for i in range(num_shards)])
-    tot = summarize(out, None if complete else time.time() - t0)
-    if complete:
+                _spawn([ShardJob(cfg, part.first_shard + i, num_shards, devices[i], layer_ids, threads, os.getpid(),
+                                 part=part) for i in range(num_shards)])
+    tot = summarize(out, time.time() - t0 if todo else None)
+    if not todo:
         print(f"precompute: store {out} is already complete ({tot['num_samples']} samples); nothing to do.", flush=True)
     else:
         _print_summary(out, tot, cfg.max_length)

@@ -1,7 +1,8 @@
 """One shard of stage one: its batch plan, the target's capture and the writes, resumable after kill -9.
 
-Row i of the dataset belongs to shard i % num_shards and is stored as sample id i.  A shard renders its
-rows window by window, sorts each window by length and cuts it into right-padded batches under
+A shard captures its part's rows `j::num_shards` (j: its place in the part; dflash/store/parts.py) and
+stores row r as sample id `id_base + r`; in a one-part store without duplicates that is row i in shard
+i % num_shards as sample id i.  A shard renders its rows window by window, sorts each window by length and cuts it into right-padded batches under
 `token_budget`.  The batch plan is a pure function of the data and the config, and samples are appended
 in plan order, so the committed part of a shard is always a prefix of the plan: a rerun after `kill -9`
 recomputes the first unfinished batch exactly as it was (same rows, same padding, same bits) and
@@ -29,6 +30,7 @@ from dflash.chat import conversation_of, load_rows, render
 from dflash.config import PrecomputeConfig
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
+from dflash.store.parts import Part, part_path, part_rows
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
 from dflash.target.capture import Capture, load_target, load_tokenizer, resolve_dtype
@@ -48,6 +50,15 @@ class ShardJob:
     pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
     writer: str | None = None  # process | thread (None: cfg.writer)
     write_slots: int = 3  # host buffers between the GPU and the writer (batches in flight)
+    part: Part | None = None  # the part this shard belongs to (None: the whole dataset, as part 0)
+
+    def rows(self, num_rows: int) -> tuple[list[int], int]:
+        """(the dataset rows this shard captures, the id of row 0)."""
+        part = self.part or Part(0, 0, self.num_shards, 0, "", num_rows)
+        j = self.shard - part.first_shard
+        if part_path(self.cfg.out, part.index).is_file():
+            return part_rows(self.cfg.out, part.index)[j :: part.num_shards].tolist(), part.id_base
+        return list(range(j, num_rows, part.num_shards)), part.id_base  # a store from before parts
 
 
 
@@ -85,7 +96,7 @@ def run_shard(job: ShardJob) -> dict:
         torch.cuda.set_device(device)
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples, check=False)
-    rows = list(range(shard, len(ds), job.num_shards))
+    rows, id_base = job.rows(len(ds))
     lock = _lock_shard(Path(cfg.out), shard)
     try:
         if shard_status(cfg.out, shard).get("status") == "complete":
@@ -126,9 +137,9 @@ def run_shard(job: ShardJob) -> dict:
                 bar.update(len(window) - len(samples))
                 for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
                     members = [samples[i] for i in batch]
-                    todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if r not in done]
+                    todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if id_base + r not in done]
                     if todo:
-                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype)
+                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype, id_base)
                         if not frozen:  # the model and the compiled top-k exist now: no collection walks them
                             hostgc.freeze()
                             frozen = True
@@ -178,13 +189,13 @@ def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), lens
 
 
-def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -> None:
+def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype, id_base: int = 0) -> None:
     """Capture one batch and store its `todo` rows: handed to the WritePipeline's thread when `writer` is
     one, else copied out and appended right here (the serial path)."""
     device = torch.device(device)
     out = capture(*_batch_ids(members, device, pad_id))
     if isinstance(writer, WritePipeline):
-        writer.submit([(b, r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
+        writer.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
                       out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
         return
     lengths = [len(rd.input_ids) for _, rd in members]
@@ -196,7 +207,7 @@ def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype) -
     for b, r, rd in todo:
         n = lengths[b]
         writer.append(
-            sample_id=r,
+            sample_id=id_base + r,
             source_row=r,
             input_ids=rd.input_ids,
             loss_mask=rd.loss_mask,

@@ -5,13 +5,16 @@ the shard processes start).  It never changes afterwards, so shard processes nev
 shard's status lives in its own file, `STORE/shard-00000/status.json`, written atomically (tmp + fsync +
 os.replace) by the one process that owns that shard.  `read_manifest` returns the merged view (the
 manifest with `shards` overlaid by the status files); that view is what `open_store(...).manifest` is.
+A grown store (dflash/store/parts.py) adds, in that view, `parts` (one summary per part, part 0 the
+manifest's own dataset) and counts `num_shards` over all parts; manifest.json itself describes part 0.
 
 Manifest keys (the ones with meaning; anything else is kept as free-form run information):
 
     format_version      int, FORMAT_VERSION
     target              dflash.target.files.target_identity(...) dict
     tokenizer_hash      dflash.target.files.tokenizer_hash(...)
-    dataset_fingerprint str identifying the input rows (path + size/mtime or datasets fingerprint)
+    dataset_fingerprint str identifying part 0's input rows (sha256 of the files, or datasets fingerprint)
+    content_keys        true when the store records conversation keys per part (it can be appended to)
     target_layer_ids    list[int]
     hidden_dtype        "bf16" | "fp8"
     topk                int (0 = no top-k arrays)
@@ -22,15 +25,17 @@ Manifest keys (the ones with meaning; anything else is kept as free-form run inf
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 from dflash.errors import StoreError
+from dflash.store import parts as P
+from dflash.store.durable import atomic_write_bytes, disk_full_error, fsync_dir, is_disk_full, read_json
+
+__all__ = ["atomic_write_bytes", "disk_full_error", "fsync_dir", "is_disk_full"]  # (durable's, re-exported)
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -56,76 +61,6 @@ def shard_name(index: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------
-# durable file primitives (used by the writer too)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make a rename or a new file in `path` durable (POSIX: the directory entry lives in the directory)."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """ENOSPC / EDQUOT, raised directly or wrapped (zarr and safetensors report it in their own types)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def disk_full_error(path: str | os.PathLike, e: BaseException) -> StoreError:
-    return StoreError(
-        f"no space left on the device while writing {path} ({e}). Free space on the filesystem holding "
-        f"{Path(path).parent} (or choose an --out on another one) and rerun the same `dflash precompute` "
-        "command: it resumes from the last commit, and nothing written after it is used."
-    )
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durable: bool = True) -> None:
-    """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix.
-
-    The rename alone is atomic against a killed process; `durable` adds the fsyncs that make it survive
-    a power loss too.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if is_disk_full(e):
-            raise disk_full_error(path, e) from e
-        raise
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(path.parent)
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise
-    except (OSError, json.JSONDecodeError) as e:
-        raise StoreError(f"{path} cannot be read ({e}); the store is damaged: rerun precompute with --overwrite.") from None
-
-
-# ----------------------------------------------------------------------------------------------------
 # manifest
 
 
@@ -136,17 +71,26 @@ def _get(m: dict, key: str, sub: str | None):
     return v
 
 
-def manifest_differences(old: dict, new: dict) -> list[str]:
+# What a part of its own may change (parts.py): the dataset it captured and its shard count.
+DATA_FIELDS = ("dataset_fingerprint", "num_shards")
+
+
+def manifest_differences(old: dict, new: dict, data: bool = True) -> list[str]:
+    """The identity fields in which two manifests differ; without `data`, those that would refuse an append."""
     diffs = []
     for key, sub, name in IDENTITY_FIELDS:
+        if not data and key in DATA_FIELDS:
+            continue
         a, b = _get(old, key, sub), _get(new, key, sub)
         if a != b:
             diffs.append(f"{name}: store has {a!r}, this run has {b!r}")
     return diffs
 
 
-def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, overwrite: bool = False) -> dict:
-    """Create STORE/manifest.json, or check that an existing store was made by the same inputs.
+def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, overwrite: bool = False,
+                             data: bool = True) -> dict:
+    """Create STORE/manifest.json, or check that an existing store was made by the same inputs (without
+    `data`: the same target, tokenizer, layers, dtype, top-k and length, whatever the dataset; parts.py).
 
     Call it once, in the process that starts the shard processes.  With `overwrite`, an existing store
     directory is deleted first.  Returns the manifest as written (or as found).
@@ -160,13 +104,13 @@ def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, over
         root.rename(trash)
         shutil.rmtree(trash)
     if mpath.is_file():
-        old = _read_json(mpath)
+        old = read_json(mpath)
         if old.get("format_version") != FORMAT_VERSION:
             raise StoreError(
                 f"store {root} has format_version {old.get('format_version')!r}, this dflash writes "
                 f"{FORMAT_VERSION}; pass --overwrite to start the store over."
             )
-        diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest})
+        diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest}, data=data)
         if diffs:
             raise StoreError(
                 f"store {root} was written by a different run ({'; '.join(diffs)}). Rerunning continues a "
@@ -198,7 +142,7 @@ def mark_shard(store_path: str | os.PathLike, shard: int, status: str, stats: di
 def shard_status(store_path: str | os.PathLike, shard: int) -> dict:
     p = Path(store_path) / shard_name(shard) / STATUS
     try:
-        return _read_json(p)
+        return read_json(p)
     except FileNotFoundError:
         return {"status": "pending"}
 
@@ -210,7 +154,7 @@ def read_manifest(store_path: str | os.PathLike) -> dict:
         raise StoreError(f"store {root} does not exist; run `dflash precompute --out {root}` first.")
     mpath = root / MANIFEST
     try:
-        m = _read_json(mpath)
+        m = read_json(mpath)
     except FileNotFoundError:
         raise StoreError(
             f"{mpath} does not exist: {root} is not a dflash store (or its precompute never started)."
@@ -221,6 +165,14 @@ def read_manifest(store_path: str | os.PathLike) -> dict:
             f"this dflash reads {FORMAT_VERSION}. Recreate the store with this version."
         )
     check_manifest(m, mpath)
+    parts = P.read_parts(root)
+    if parts:  # a grown store: the manifest describes part 0, the part records the rest (parts.py)
+        if parts[0].num_shards != m["num_shards"]:
+            raise StoreError(f"{P.part_path(root, 0)} says part 0 has {parts[0].num_shards} shards, {mpath} says "
+                             f"{m['num_shards']}; one of them was edited. Restore it, or re-run `dflash precompute` "
+                             "into a new store.")
+        m["parts"] = [p.summary() for p in parts]
+        m["num_shards"] = parts[-1].first_shard + parts[-1].num_shards
     m["shards"] = {shard_name(i): shard_status(root, i) for i in range(m["num_shards"])}
     return m
 

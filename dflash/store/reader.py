@@ -170,9 +170,12 @@ def _damaged(path: Path, problems: list[str]) -> StoreError:
 
 class Store:
     """The committed samples of a store.  `require_complete` refuses a store that precompute has not
-    finished; `verify` (default on) checks each sample's checksums as it is read."""
+    finished; `verify` (default on) checks each sample's checksums as it is read; `upto` (a `counts()` of
+    an earlier snapshot) keeps only the first samples each shard had then, so that a growing store reads
+    as it was (shards only ever append)."""
 
-    def __init__(self, path: str | os.PathLike, require_complete: bool = False, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, require_complete: bool = False, verify: bool = True,
+                 upto: dict[str, int] | None = None):
         self.path = Path(path)
         self.verify = verify
         self.manifest = read_manifest(self.path)
@@ -203,7 +206,10 @@ class Store:
                 problems.append(f"{shard_name(i)} is marked complete but {d / layout.INDEX} is missing")
             problems += shard_problems(shard_name(i), data, c, self.specs)[0]
             self.shards.append(data)
-            tables.append(c.index.append_column("shard", pa.array(np.full(c.index.num_rows, i, np.int32))))
+            index = c.index if upto is None else c.index.slice(0, self._upto(upto, shard_name(i), c.index.num_rows))
+            tables.append(index.append_column("shard", pa.array(np.full(index.num_rows, i, np.int32))))
+        if upto is not None and (gone := sorted(set(upto) - {shard_name(i) for i in range(int(m["num_shards"]))})):
+            raise self._shrunk(f"{gone[:3]} no longer exist")
         schema = layout.index_schema(self.specs).append(pa.field("shard", pa.int32()))
         index = pa.concat_tables(tables) if tables else schema.empty_table()
         self.index = index.sort_by("sample_id")
@@ -219,6 +225,24 @@ class Store:
 
     def __getstate__(self):
         return {**self.__dict__, "_sums": {}}  # the index (pickled anyway) holds them
+
+    def counts(self) -> dict[str, int]:
+        """Committed samples per shard: this snapshot, for `open_store(path, upto=...)` later."""
+        n = np.bincount(self._shard, minlength=len(self.shards)) if len(self._shard) else np.zeros(len(self.shards))
+        return {shard_name(i): int(v) for i, v in enumerate(n)}
+
+    def _upto(self, upto: dict[str, int], name: str, committed: int) -> int:
+        want = int(upto.get(name, 0))
+        if want > committed:
+            raise self._shrunk(f"{name} holds {committed} committed samples, the snapshot {want}")
+        return want
+
+    def _shrunk(self, what: str) -> StoreError:
+        return StoreError(
+            f"store {self.path} holds less than the snapshot a training run planned over ({what}): it was "
+            "replaced or recaptured, not grown. Resume only on the store the checkpoint was trained on (or a "
+            "grown copy of it); otherwise start a new run directory."
+        )
 
     def _checksum(self, name: str, i: int) -> int:
         if name not in self._sums:
@@ -333,7 +357,9 @@ class Store:
         return f"Store({str(self.path)!r}, samples={len(self)}, shards={len(self.shards)})"
 
 
-def open_store(path: str | os.PathLike, require_complete: bool = False, verify: bool = True) -> Store:
+def open_store(path: str | os.PathLike, require_complete: bool = False, verify: bool = True,
+               upto: dict[str, int] | None = None) -> Store:
     """The store at `path`, its structure checked (see the module docstring).  `require_complete`: refuse a
-    store precompute has not finished (training and evaluation); `verify`: check checksums on every read."""
-    return Store(path, require_complete=require_complete, verify=verify)
+    store precompute has not finished (training and evaluation); `verify`: check checksums on every read;
+    `upto`: only what an earlier snapshot (`Store.counts()`) held."""
+    return Store(path, require_complete=require_complete, verify=verify, upto=upto)

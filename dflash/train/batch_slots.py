@@ -95,6 +95,10 @@ class BatchSlots:
         """In the training process, once micro-batch `seq`'s contents have been copied out of its slot."""
         self.next_seq[seq % self.num_slots] = seq + self.num_slots
 
+    def reset(self) -> None:
+        """For a new loader (its micro-batches numbered from 0), once every slot of the last one is released."""
+        self.next_seq.copy_(torch.arange(self.num_slots, dtype=torch.int64))
+
     def close(self) -> None:
         if self._registered:
             torch.cuda.synchronize()  # no copy may still read the slots

@@ -85,6 +85,18 @@ class DeviceFeeder:
             raise StopIteration
         return items
 
+    def close(self) -> None:
+        """Stop the loader's workers and release every slot still held (their copies finished first)."""
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:  # an exhausted DataLoader iterator has done this already
+            shutdown()
+        self.next = None
+        while self.slots is not None and self._held:
+            seq, event = self._held.popleft()
+            if event is not None:
+                event.synchronize()
+            self.slots.release(seq)
+
     def ready(self, item) -> dict:
         b, event = item
         if event is not None:

@@ -32,6 +32,7 @@ def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.d
     return {
         "step": p.step,
         "epoch": p.epoch,
+        "epoch_samples": p.epoch_samples,
         "loss": (s.ce_sum + cfg.kd_weight * s.kd_sum) / wsum,
         "ce": s.ce_sum / wsum,
         "kd": s.kd_sum / wsum,

@@ -18,6 +18,7 @@ import torch
 
 from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
+from dflash.train.epochs import wait_for_manifest
 from dflash.train.loader import LoaderSpec
 
 MASK_SOURCE_ENV = "DFLASH_MASK_TOKEN_SOURCE"
@@ -82,6 +83,9 @@ def _check_options(cfg: TrainConfig) -> None:
         (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),
         (cfg.warmup_steps >= 0 and 0 <= cfg.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1"),
         (not (cfg.resume and cfg.overwrite), "--resume and --overwrite contradict each other; pick one"),
+        (not cfg.follow or cfg.steps is not None, "--follow needs --steps: the learning-rate schedule needs the "
+         "run's length, and a store being written has no epoch length yet"),
+        (cfg.follow_poll > 0 and cfg.follow_timeout >= 0, "--follow-poll must be positive, --follow-timeout >= 0"),
         (cfg.profile_steps >= 0 and cfg.profile_start >= 0, "--profile-steps and --profile-start must be >= 0"),
     ]
     for ok, message in rules:
@@ -153,7 +157,8 @@ def truncate_metrics(path: Path, last_step: int) -> list[dict]:
     return kept
 
 
-def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) -> tuple[int, str]:
+def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store,
+                       growing: bool = False) -> tuple[int, str]:
     """(mask token id, how it was chosen).
 
     In order: the configured id; the tokenizer's own mask token; the first embedding row past the
@@ -179,6 +184,12 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store) 
     reserved = sorted((i for i, t in tok.added_tokens_decoder.items()
                        if t.special and ("reserved" in t.content.lower() or "mask" in t.content.lower()) and i < vocab_rows),
                       key=lambda i: ("mask" not in tok.added_tokens_decoder[i].content.lower(), i))
+    if reserved and growing:
+        raise ConfigError(
+            f"the target {target} has no mask token and no unused embedding row, and a reserved token can be "
+            "chosen only by scanning a finished store (--follow trains from one being written); pass "
+            f"--mask-token-id, e.g. {reserved[0]} ({tok.convert_ids_to_tokens(reserved[0])!r}), if the data never uses it."
+        )
     if reserved:
         used = _ids_in_store(store, set(reserved))
         free = [i for i in reserved if i not in used]
@@ -242,9 +253,11 @@ def preflight(cfg: TrainConfig) -> Setup:
     _check_options(cfg)
     check_run_dir(cfg)
     identity = target_identity(cfg.target)
-    store = open_store(cfg.store, require_complete=True)
+    if cfg.follow:
+        wait_for_manifest(cfg)
+    store = open_store(cfg.store, require_complete=not cfg.follow)
     compare_manifest(store.manifest, identity, tokenizer_hash(cfg.target), target_layer_ids=cfg.target_layers)
-    if len(store) == 0:
+    if len(store) == 0 and not cfg.follow:
         raise StoreError(f"store {cfg.store} has no committed samples; run or finish `dflash precompute` first.")
     if cfg.kd_weight > 0 and not store.topk:
         raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
@@ -257,7 +270,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.target),
                          target_layer_ids=store.target_layer_ids)
     vocab_rows = int(identity.get("vocab_size") or 0)
-    mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store)
+    mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store, growing=cfg.follow)
     dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
                                      list(store.target_layer_ids), mask_id, *_layer_types(cfg))
     problem = engine_layer_problem(dcfg.target_layer_ids, dcfg.num_target_layers)

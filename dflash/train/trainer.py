@@ -6,9 +6,10 @@ normalised by the global sum of loss weights of that step, so W processes x A ac
 gradient of one batch of W*A micro-batches, whatever W and A are (docs/DESIGN.md §3).
 
 Exact resume (docs/DESIGN.md §7): `state_dict` holds model and optimizer state, the step, the data
-position (epoch, samples consumed, the plan's balance group) and the RNG states; the plan is a function of
-(seed, epoch, balance group) and anchors of (seed, epoch, sample id), so a resumed run sees the very
-batches the uninterrupted run would have.
+position (epoch, samples consumed, the plan's balance group, the epoch's snapshot of the store) and the
+RNG states; the plan is a function of (seed, epoch, balance group, snapshot) and anchors of (seed, epoch,
+sample id), so a resumed run sees the very batches the uninterrupted run would have.  Each epoch has its
+own snapshot, loader and workers (dflash.train.epochs): a store that grew is seen from the next epoch on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dflash.hostgc import StepGC
 from dflash.train import checkpoint as ckpt
 from dflash.train import loader as L
 from dflash.train.batch_slots import BatchSlots, default_num_slots
+from dflash.train.epochs import EpochSource
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import loss_kernel_note
 from dflash.train.metrics import RunLogger, StepProfiler, step_record
@@ -45,6 +47,7 @@ class PendingStep:
     event: torch.cuda.Event | None  # recorded after the step: its end on the device's timeline
     step: int
     epoch: int
+    epoch_samples: int  # samples the epoch's plan covers
     lr: float
     dt: float  # host seconds since the previous step ended
     data_wait: float
@@ -71,8 +74,10 @@ class Trainer:
         n_shapes = len(self.setup.spec.s_shapes) * len(self.setup.spec.q_shapes)
         self.step_fn = TrainStep(self.setup.drafter_config, cfg, device, world, embed, head, n_shapes)
         self.step, self.epoch, self.samples_done = 0, 0, 0
+        self.snapshot: dict[str, int] | None = None  # the epoch's view of the store (None: take one)
         # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
         self.balance_group = world * cfg.grad_accum if cfg.balance_steps else 1
+        self.feeder, self.slots, self.wait_before = None, None, 0.0
 
     # ------------------------------------------------------------------------------------ state
 
@@ -82,7 +87,8 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        data = {"epoch": self.epoch, "samples_consumed": self.samples_done, "balance_group": self.balance_group}
+        data = {"epoch": self.epoch, "samples_consumed": self.samples_done, "balance_group": self.balance_group,
+                "epoch_snapshot": self.snapshot}
         return {"model": model_state, "optimizer": optim_state, "step": self.step, "world_size": self.world,
                 "data": data, "rng": rng}
 
@@ -94,6 +100,7 @@ class Trainer:
         # The data position is a place in the checkpoint's plan, so its grouping stays, on any number of
         # processes (checkpoints from before balancing have none: a random order).
         self.balance_group = int(data.get("balance_group", 1))
+        self.snapshot = data.get("epoch_snapshot")  # checkpoints from before snapshots: the store as it is
         torch.set_rng_state(state["rng"]["cpu"])
         if self.device.type == "cuda" and "cuda" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
@@ -123,35 +130,68 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the loop
 
-    def _open_data(self) -> int:
-        """Dataset, sampler and DataLoader from the current data position to the last step; returns the
-        total number of steps of the run."""
+    def _open_epoch(self) -> None:
+        """This epoch's dataset (its snapshot of the store), from the current data position; an epoch the
+        position has finished is skipped for the next one."""
+        source = EpochSource(self.cfg, dataclasses.replace(self.setup.spec, balance_group=self.balance_group),
+                             self.world, self.device, self.rank)
+        while True:
+            self.dataset, self.snapshot, waited = source.open(self.epoch, self.snapshot)
+            self.wait_before += waited
+            plan = self.dataset.plan(self.epoch)
+            self.start_batch = plan.batch_at_samples(self.samples_done)
+            self.epoch_steps_left = (len(plan) - self.start_batch) // source.per_step
+            if self.epoch_steps_left:
+                return
+            self.epoch, self.samples_done, self.snapshot = self.epoch + 1, 0, None
+
+    def _start_loader(self, total: int) -> None:
+        """Sampler, DataLoader (its workers) and feeder over the rest of this epoch, up to the last step."""
         cfg, setup = self.cfg, self.setup
-        self.dataset = L.PackedDataset(setup.store, dataclasses.replace(setup.spec, balance_group=self.balance_group))
-        total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
-                                                                                           cfg.grad_accum)))
-        start_batch = self.dataset.plan(self.epoch).batch_at_samples(self.samples_done)
-        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.grad_accum, self.epoch, start_batch,
-                                max(0, total - self.step))
-        # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
-        self.slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
-                                L.batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers),
-                                pin=self.device.type == "cuda") if cfg.batch_slots else None
+        steps = min(self.epoch_steps_left, total - self.step)
+        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.grad_accum, self.epoch, self.start_batch, steps)
+        if self.slots is None and cfg.batch_slots:
+            # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
+            self.slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
+                                    L.batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers),
+                                    pin=self.device.type == "cuda")
         loader = L.make_loader(self.dataset, sampler, cfg.num_workers, pin_memory=self.device.type == "cuda",
                                slots=self.slots)
         self.step_plan = sampler.step_keys()
         self.feeder = DeviceFeeder(loader, self.device, cfg.grad_accum, slots=self.slots)
-        return total
+
+    def _close_loader(self) -> None:
+        if self.feeder is not None:
+            self.wait_before += self.feeder.wait_s
+            self.feeder.close()
+            self.feeder = None
+            if self.slots is not None:
+                self.slots.reset()  # the next loader numbers its micro-batches from 0 again
+
+    def data_wait_s(self) -> float:
+        """Seconds this run's steps waited for data: the loaders, and --follow's waits for the store."""
+        return self.wait_before + (self.feeder.wait_s if self.feeder is not None else 0.0)
+
+    def epoch_samples(self) -> int:
+        return int(self.dataset.plan(self.epoch).samples_before[-1])
 
     def train_step(self, total: int) -> int:
-        """One optimizer step; returns the epoch its micro-batches came from.  Advances the data position."""
+        """One optimizer step; returns the epoch its micro-batches came from.  Advances the data position,
+        into the next epoch (a new snapshot, loader and workers) when this one is done."""
         cfg = self.cfg
+        if not self.epoch_steps_left:
+            self._close_loader()
+            self.epoch, self.samples_done, self.snapshot = self.epoch + 1, 0, None
+            self._open_epoch()
+            self._start_loader(total)
         step_epoch, step_first, _ = next(self.step_plan)
         items = self.feeder.take()
         lr = lr_at(self.step, cfg, total)
-        self.stats, self.new_shape = self.step_fn(items, self.feeder, lr, prefetch=self.step + 1 < total)
+        last_of_loader = self.epoch_steps_left == 1 or self.step + 1 >= total
+        self.stats, self.new_shape = self.step_fn(items, self.feeder, lr, prefetch=not last_of_loader)
         self.lr = lr
         self.step += 1
+        self.epoch_steps_left -= 1
         # Data position: everything up to the end of this step's micro-batches, in samples.
         end = step_first + self.world * cfg.grad_accum
         self.epoch, self.samples_done = step_epoch, int(self.dataset.plan(step_epoch).samples_before[end])
@@ -161,7 +201,11 @@ class Trainer:
         """Resume if asked, then step to the end; rank 0 returns the final metrics."""
         cfg, step_gc = self.cfg, self.step_gc
         self.resume()
-        total = self._open_data()
+        self._open_epoch()
+        # With --epochs the run's length comes from the store as it is when the run starts (or resumes).
+        total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
+                                                                                           cfg.grad_accum)))
+        self._start_loader(total)
         logger = (RunLogger(cfg, self.setup, self.rank, self.world, self.step, total,
                             loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
@@ -188,7 +232,7 @@ class Trainer:
         profiler.close()
         self.tracker.flush()
         final = logger.finish(self.tracker.tokens_per_s()) if logger else None
-        del self.feeder
+        self._close_loader()
         if self.slots is not None:
             self.slots.close()
         return final
@@ -229,7 +273,7 @@ class _StepTracker:
         self.last_event = None
 
     def begin(self) -> None:
-        self.wait0, self.gc0 = self.t.feeder.wait_s, self.t.step_gc.timer.total_s
+        self.wait0, self.gc0 = self.t.data_wait_s(), self.t.step_gc.timer.total_s
 
     def end(self, epoch: int, counts_recompiles: bool, compiles_before: int) -> None:
         t, host = self.t, self.t.step_fn.host
@@ -245,7 +289,7 @@ class _StepTracker:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self.flush()  # the previous step: its sync wait falls in this step's host interval, counted there
-        self.pending = PendingStep(stats, event, t.step, epoch, t.lr, dt, t.feeder.wait_s - self.wait0,
+        self.pending = PendingStep(stats, event, t.step, epoch, t.epoch_samples(), t.lr, dt, t.data_wait_s() - self.wait0,
                                    t.step_gc.timer.total_s - self.gc0, self.recompiles, phases)
 
     def flush(self, extra: dict | None = None) -> None:

@@ -347,7 +347,7 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, targets):
     assert "target_layer_ids: store has [1, 2], this run has [1, 3]" in out
     other = make_conversations_jsonl(tmp_path / "other.jsonl", 6, seed=4)
     out = _cli("--target", targets["qwen3"], *base, "--target-layers", "1,2", "--data", other)
-    assert "dataset fingerprint" in out
+    assert "another dataset" in out and "--append" in out
     assert verify_store(store).ok  # a refused rerun leaves the store as it was
     res = CliRunner().invoke(main, ["precompute", "--target", str(targets["llama"]), *map(str, base),
                                     "--target-layers", "0,1", "--overwrite"])
