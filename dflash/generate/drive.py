@@ -85,6 +85,12 @@ class Bar:
 
 
 def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -> None:
+    if cfg.turns == "none":  # nothing to generate: no model, no server
+        journal = Journal(work, 0)
+        journal.append([{"row": p.row, "out": write_back(rows[p.row], p, p.messages), "tokens": 0, "cut": 0,
+                         "failed": None} for p in todo])
+        journal.close()
+        return
     devices = [None]
     if not cfg.endpoint:
         from dflash.generate.local import devices as local_devices

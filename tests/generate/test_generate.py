@@ -47,11 +47,11 @@ def greedy_reference(model, tok, messages, max_new: int, eos: int) -> str:
 
 def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path):
     # the embedded target writes real, multi-token answers (a random one stops at once)
-    rows = [json.loads(x) for x in (ROOT / "data" / "heldout.jsonl").read_text().splitlines()[:6]]
+    rows = [json.loads(x) for x in (ROOT / "data" / "heldout.jsonl").read_text().splitlines()[:3]]
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=48, turns="all", batch_size=3))
+    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=32, turns="all", batch_size=3))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED)
@@ -63,9 +63,9 @@ def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path):
         msgs = row["messages"]
         for i, m in enumerate(msgs):
             if m["role"] == "assistant":  # each turn follows the target's own earlier turns
-                assert m["content"] == greedy_reference(model, tok, msgs[:i], 48, tok.eos_token_id)
+                assert m["content"] == greedy_reference(model, tok, msgs[:i], 32, tok.eos_token_id)
                 checked += 1
-    assert checked > len(rows) and any(len(m["content"]) > 40 for r in got for m in r["messages"])
+    assert checked >= len(rows) and any(len(m["content"]) > 40 for r in got for m in r["messages"])
 
 
 def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_path, tiny_target):
@@ -124,27 +124,27 @@ def test_a_rerun_resumes_and_other_inputs_are_refused(tmp_path, tiny_target, cha
         run_generate(cfg(target=tiny_target, data=chats, out=out, max_new_tokens=5))
     assert out.read_bytes() == first
     run_generate(cfg(target=tiny_target, data=chats, out=out, max_new_tokens=5, restart_changed=True))
-    assert out.read_bytes() != first or True  # started over: a new journal of the new inputs
-    assert len(load_records(work_dir(out))) == 12
+    records = load_records(work_dir(out))  # started over: a journal of the new inputs only
+    assert len(records) == 12 and all(r["tokens"] <= 5 * 2 for r in records.values())
 
 
 def _cli(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "generate", *map(str, args)], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "dflash.cli", "generate", *map(str, args)], cwd=args[1].parent,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
 
 
 @pytest.mark.slow
 def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, long_target):
-    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 24, max_words=6)
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 12, max_words=6)
     ref = tmp_path / "ref.jsonl"
-    opts = dict(max_new_tokens=24, batch_size=1, turns="all")
+    opts = dict(max_new_tokens=12, batch_size=1, turns="all")  # windows of 4 rows
     run_generate(cfg(target=long_target, data=data, out=ref, **opts))
     out = tmp_path / "out.jsonl"
-    args = ["--target", long_target, "--data", data, "--out", out, "--gpus", "cpu", "--max-new-tokens", 24,
+    args = ["--target", long_target, "--data", data, "--out", out, "--gpus", "cpu", "--max-new-tokens", 12,
             "--batch-size", 1, "--turns", "all"]
     journal = work_dir(out) / "shard-00000.journal"
-    for kill_after in (1, 9):  # rows journaled before the kill: in the first window, then in a later one
+    for kill_after in (1, 5):  # rows journaled before the kill: in the first window, then in a later one
         p = _cli(*args)
         deadline = time.time() + 120
         while time.time() < deadline and p.poll() is None:
@@ -161,4 +161,10 @@ def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, lon
     assert "resuming" in stdout
     assert out.read_bytes() == ref.read_bytes()
     rows = [json.loads(x)["row"] for x in journal.read_text().splitlines()]
-    assert sorted(rows) == list(range(24))  # no row lost, none generated twice
+    assert sorted(rows) == list(range(12))  # no row lost, none generated twice
+
+
+def test_turns_none_writes_the_rows_back_byte_for_byte_without_a_model(tmp_path, chats):
+    out = tmp_path / "out.jsonl"
+    s = run_generate(cfg(data=chats, out=out, turns="none"))  # the pipeline's off switch: no target needed
+    assert out.read_bytes() == chats.read_bytes() and s["rows"] == 12 and s["tokens"] == 0
