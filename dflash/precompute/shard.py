@@ -102,6 +102,7 @@ def run_shard(job: ShardJob) -> dict:
         if shard_status(cfg.out, shard).get("status") == "complete":
             return shard_status(cfg.out, shard)
         model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
+        _exit_if_orphaned(job)  # loading takes long: a launcher killed meanwhile needs no capture from us
         capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -150,8 +151,7 @@ def run_shard(job: ShardJob) -> dict:
                     bar.update(len(members))
                     elapsed = max(time.time() - t_loop, 1e-9)
                     bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
-                    if job.parent_pid is not None and os.getppid() != job.parent_pid:
-                        os._exit(1)  # the launcher was killed: stop at a batch boundary, a rerun resumes
+                    _exit_if_orphaned(job)  # the launcher was killed: stop at a batch boundary, a rerun resumes
             bar.close()
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["gc_s"] = round(gct.total_s, 3)
@@ -161,6 +161,11 @@ def run_shard(job: ShardJob) -> dict:
     finally:
         hostgc.unfreeze()  # when run in the caller's process (tests): leave its GC as it was
         lock.close()
+
+
+def _exit_if_orphaned(job: ShardJob) -> None:
+    if job.parent_pid is not None and os.getppid() != job.parent_pid:
+        os._exit(1)
 
 
 def open_sink(writer_args: dict, device, mode: str = "process", slots: int = 3, capacity_tokens: int = 0):

@@ -82,10 +82,14 @@ def to_ipc_bytes(table: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def read_ipc(path: Path) -> pa.Table:
+def read_ipc(path: Path, missing_ok: bool = False) -> pa.Table | None:
     try:
         with pa.memory_map(str(path)) as src:
             return pa.ipc.open_file(src).read_all()
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise StoreError(f"{path} is missing; the store is damaged: rerun precompute with --overwrite.") from None
     except (OSError, pa.ArrowInvalid) as e:
         raise StoreError(f"{path} cannot be read ({e}); the store is damaged: rerun precompute with --overwrite.") from None
 

@@ -33,14 +33,38 @@ from dflash.store.manifest import read_manifest, shard_name
 class ShardData:
     """Token rows of one shard: Zarr arrays below `zarr_end`, the committed tail file above it."""
 
-    def __init__(self, shard_dir: Path, committed: layout.Committed):
+    def __init__(self, shard_dir: Path, committed: layout.Committed, array_names=()):
         self.dir = shard_dir
         self.end, self.zarr_end, self.tail_file = committed.end, committed.zarr_end, committed.tail
+        self.array_names = tuple(array_names)
         self._arrays = None
         self._tail = None
 
     def __getstate__(self):
         return {**self.__dict__, "_arrays": None, "_tail": None}
+
+    def _load_tail(self) -> None:
+        """The committed rows past `zarr_end`.  A writer still at work replaces its tail file at every
+        commit, the rows moving into whole Zarr objects or into the next tail (writer.py); a reader whose
+        file is gone reloads the shard's committed state, where the same rows are, unchanged."""
+        for _ in range(1000):
+            table = layout.read_ipc(self.tail_file, missing_ok=True) if self.tail_file is not None else None
+            if table is not None:
+                self._tail = layout.tail_arrays(table)
+                return
+            c = layout.load_committed(self.dir, self.array_names)
+            if c.end < self.end:
+                raise StoreError(f"{self.dir}: the shard now ends at token {c.end}, before this reader's {self.end}; "
+                                 "it was rewritten, not grown. Re-open the store (or restart training).")
+            self.zarr_end, self.tail_file, self._arrays = c.zarr_end, c.tail, None  # reopen: the arrays grew
+            if self.end <= self.zarr_end:
+                return
+        raise StoreError(f"{self.dir}: the tail file kept changing while it was read; is a writer committing "
+                         "hundreds of times a second?")
+
+    def _need_tail(self, hi: int) -> None:
+        if hi > self.zarr_end and self._tail is None:
+            self._load_tail()
 
     def array(self, name: str) -> zarr.Array:
         if self._arrays is None:
@@ -71,12 +95,11 @@ class ShardData:
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         if hi > self.end:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
+        self._need_tail(hi)  # first: it may move zarr_end
         parts = []
         if lo < self.zarr_end:
             parts.append(self._zarr_read(name, lo, min(hi, self.zarr_end)))
         if hi > self.zarr_end:
-            if self._tail is None:
-                self._tail = layout.tail_arrays(layout.read_ipc(self.tail_file))
             # copy: Arrow memory is read-only, and torch tensors made from it must be writable
             parts.append(self._tail[name][max(lo, self.zarr_end) - self.zarr_end : hi - self.zarr_end].copy())
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
@@ -88,6 +111,7 @@ class ShardData:
 
         if hi > self.end:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
+        self._need_tail(hi)
         mid = min(hi, self.zarr_end)
         if lo < mid:
             self._zarr_read(name, lo, mid, out=NDBuffer.from_numpy_array(out[: mid - lo]))
@@ -201,7 +225,7 @@ class Store:
         for i in range(int(m["num_shards"])):
             d = self.path / shard_name(i)
             c = layout.load_committed(d, self.specs)  # a shard not started yet: empty
-            data = ShardData(d, c)
+            data = ShardData(d, c, self.specs)
             if m["shards"][shard_name(i)].get("status") == "complete" and not c.complete:
                 problems.append(f"{shard_name(i)} is marked complete but {d / layout.INDEX} is missing")
             problems += shard_problems(shard_name(i), data, c, self.specs)[0]

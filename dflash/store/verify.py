@@ -150,5 +150,5 @@ def verify_store(path: str | os.PathLike, checksums: bool = True) -> Report:
         report.num_samples += c.index.num_rows
         report.num_tokens += c.end
         report.num_bytes += _dir_bytes(d)
-        _check_shard(name, ShardData(d, c), c, specs, checksums, report.problems)
+        _check_shard(name, ShardData(d, c, specs), c, specs, checksums, report.problems)
     return report

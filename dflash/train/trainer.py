@@ -201,6 +201,7 @@ class Trainer:
         """Resume if asked, then step to the end; rank 0 returns the final metrics."""
         cfg, step_gc = self.cfg, self.step_gc
         self.resume()
+        opened = time.perf_counter()  # the first step's interval counts the wait for data (--follow: the store)
         self._open_epoch()
         # With --epochs the run's length comes from the store as it is when the run starts (or resumes).
         total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
@@ -209,7 +210,7 @@ class Trainer:
         logger = (RunLogger(cfg, self.setup, self.rank, self.world, self.step, total,
                             loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
-        self.tracker = _StepTracker(self, logger, total)
+        self.tracker = _StepTracker(self, logger, total, since=opened)
         profiler = StepProfiler(cfg.out, self.rank, cfg.profile_start, cfg.profile_steps, self.device)
         steps_run = 0
         while self.step < total:
@@ -263,10 +264,11 @@ class Trainer:
 class _StepTracker:
     """Step timing, recompiles and the deferred metrics records (PendingStep) of a run."""
 
-    def __init__(self, trainer: Trainer, logger: RunLogger | None, total: int):
+    def __init__(self, trainer: Trainer, logger: RunLogger | None, total: int, since: float | None = None):
         self.t, self.logger, self.total = trainer, logger, total
         self.compiles0, self.recompiles = compile_count(), 0
-        self.t_last = time.perf_counter()
+        self.t_last = since or time.perf_counter()
+        self.first_wait0: float | None = 0.0 if since else None
         self.host_last = dict(trainer.step_fn.host)
         self.tokens, self.seconds = 0, 0.0
         self.pending: PendingStep | None = None
@@ -274,6 +276,8 @@ class _StepTracker:
 
     def begin(self) -> None:
         self.wait0, self.gc0 = self.t.data_wait_s(), self.t.step_gc.timer.total_s
+        if self.first_wait0 is not None:  # the first step: its data wait since the data was opened
+            self.wait0, self.first_wait0 = self.first_wait0, None
 
     def end(self, epoch: int, counts_recompiles: bool, compiles_before: int) -> None:
         t, host = self.t, self.t.step_fn.host

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +22,7 @@ from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
 from dflash.target.capture import load_target, load_tokenizer
 from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
+from processes import Same, committed, run_cli, store_arrays
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
 
@@ -33,15 +31,6 @@ DFLASH = str(Path(sys.executable).with_name("dflash"))
 def targets(tmp_path_factory):
     d = tmp_path_factory.mktemp("targets")
     return {arch: make_tiny_target(d, arch=arch) for arch in ("qwen3", "llama")}
-
-
-def store_arrays(store) -> dict[int, dict[str, np.ndarray]]:
-    s = open_store(store)
-    out = {}
-    for sid in s.sample_ids():
-        r = s.read(sid)
-        out[sid] = {k: (v.view(torch.int16) if v.dtype == torch.bfloat16 else v).numpy() for k, v in r.items()}
-    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
@@ -140,69 +129,6 @@ def test_two_shards_hold_every_sample_once(tmp_path, targets, capsys):
 # ---------------------------------------------------------------------------------------------- kill -9
 
 
-def _committed(store: Path) -> int:
-    """Samples committed so far, from the index segments (each appears by an atomic rename)."""
-    import pyarrow as pa
-
-    d = store / "shard-00000" / "index"
-    n = 0
-    for f in d.glob("seg-*.arrow") if d.is_dir() else ():
-        try:
-            with pa.memory_map(str(f)) as src:
-                n += pa.ipc.open_file(src).read_all().num_rows
-        except (OSError, pa.ArrowInvalid):
-            pass  # the writer removed or replaced it meanwhile
-    return n
-
-
-def _run_cli(args, env=None, kill_when=None, timeout=120):
-    """Run `dflash precompute ARGS`; with `kill_when`, SIGKILL it as soon as kill_when() is true."""
-    p = subprocess.Popen([DFLASH, "precompute", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, **(env or {})})
-    if kill_when is None:
-        out, err = p.communicate(timeout=timeout)
-        return p.returncode, out.decode(), err.decode()
-    t0 = time.time()
-    while not kill_when():
-        assert p.poll() is None, f"precompute ended before the kill point: {p.communicate()[1].decode()[-2000:]}"
-        assert time.time() - t0 < timeout
-        time.sleep(0.02)
-    family = _descendants(p.pid)  # the shard's store writer process among them
-    p.send_signal(signal.SIGKILL)
-    p.wait()
-    p.stdout.close()
-    p.stderr.close()
-    t0 = time.time()
-    while [q for q in family if _alive(q)] and time.time() - t0 < 10:
-        time.sleep(0.05)
-    assert not [q for q in family if _alive(q)], "processes of the killed precompute outlived it"
-    return p.returncode, "", str(len(family))  # stderr is not read after a kill: the number of its descendants
-
-
-def _descendants(pid: int) -> list[int]:
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, targets):
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 20, seed=11)
@@ -219,41 +145,26 @@ def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, target
     slow = {"DFLASH_TEST_SLOW_WRITES": "0.15"}
     points = [
         lambda: (store / "manifest.json").is_file(),  # right after validation: nothing committed yet
-        lambda: _committed(store) >= total // 3,  # mid-way
-        lambda: _committed(store) >= total * 3 // 4,  # near the end
+        lambda: committed(store) >= total // 3,  # mid-way
+        lambda: committed(store) >= total * 3 // 4,  # near the end
     ]
     seen = []
     for when in points:
-        rc, _, family = _run_cli(args, env=slow, kill_when=when)
+        rc, _, family = run_cli(args, env=slow, kill_when=when)
         assert rc == -signal.SIGKILL
         if seen:  # mid-run: the store writer process was running, and died with the shard (checked in _run_cli)
             assert int(family) >= 1
-        seen.append(_committed(store))
+        seen.append(committed(store))
         assert (store / "manifest.json").is_file() and not verify_store(store).ok  # interrupted: never verifies
     assert total // 3 <= seen[1] < seen[2] <= total
-    rc, out, err = _run_cli(args)
+    rc, out, err = run_cli(args)
     assert rc == 0, err
     assert f"{len(ref_arrays)} samples" in out
-    assert store_arrays(store) == _Same(ref_arrays)
+    assert store_arrays(store) == Same(ref_arrays)
     res = CliRunner().invoke(main, ["verify", str(store)])
     assert res.exit_code == 0 and "OK" in res.output, res.output
     res = CliRunner().invoke(main, ["precompute", *args])
     assert res.exit_code == 0 and "already complete" in res.output, res.output
-
-
-class _Same:
-    """Compares {sample_id: {field: array}} byte for byte, naming the first difference."""
-
-    def __init__(self, ref):
-        self.ref = ref
-
-    def __eq__(self, got):
-        assert sorted(got) == sorted(self.ref), "sample ids differ"
-        for sid, fields in self.ref.items():
-            for k, a in fields.items():
-                b = got[sid][k]
-                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), f"sample {sid} {k} differs"
-        return True
 
 
 # ---------------------------------------------------------------------------------------------- bad input

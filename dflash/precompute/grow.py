@@ -1,0 +1,132 @@
+"""Which parts of a store a precompute run captures: the store's first part, an unfinished one, or, with
+`--append`, a new part of the conversations the store does not hold yet (docs/DESIGN.md §5).
+
+Runs in the launcher, under the store's lock, after every input was checked.  Crash safety comes from the
+order: a part is recorded (its rows chosen, dflash/store/parts.py) before any of its shards starts, and
+is finished by the next run over the same dataset before anything else; so a rerun after `kill -9`
+anywhere redoes exactly what the interrupted run had left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash.config import PrecomputeConfig
+from dflash.errors import ConfigError, StoreError
+from dflash.store import parts as P
+from dflash.store import read_manifest
+from dflash.store.manifest import MANIFEST
+
+
+@dataclass
+class Rows:
+    """The dataset as precompute sees it: one content key per row (dflash.chat.conversation_key)."""
+
+    keys: list[bytes]
+    fingerprint: str
+
+    def unique(self, held: set[bytes] = frozenset()) -> tuple[np.ndarray, dict]:
+        """Rows of conversations neither held nor seen earlier in the dataset, and the counts."""
+        seen, rows, dup, known = set(), [], 0, 0
+        for r, k in enumerate(self.keys):
+            if k in held:
+                known += 1
+            elif k in seen:
+                dup += 1
+            else:
+                seen.add(k)
+                rows.append(r)
+        return np.asarray(rows, dtype=np.int64), {"new": len(rows), "duplicates": dup, "already_stored": known}
+
+
+def legacy_part(manifest: dict) -> P.Part:
+    """A store written before parts existed: one implicit part, row r as sample id r, no keys."""
+    n = int((manifest.get("dataset") or {}).get("num_rows") or 0)
+    return P.Part(0, 0, int(manifest["num_shards"]), 0, str(manifest.get("dataset_fingerprint")), n)
+
+
+def unfinished(out: Path, parts: list[P.Part]) -> list[P.Part]:
+    shards = read_manifest(out)["shards"]
+    return [p for p in parts if any(shards[f"shard-{i:05d}"].get("status") != "complete" for i in p.shards)]
+
+
+def _dataset_info(cfg: PrecomputeConfig, counts: dict) -> dict:
+    return {"dataset": str(Path(cfg.data).resolve()), "split": cfg.split, "max_samples": cfg.max_samples,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **counts}
+
+
+def first_part(cfg: PrecomputeConfig, out: Path, rows: Rows, num_shards: int) -> P.Part:
+    """Part 0 of a store whose manifest exists (just written, or written by a run killed right after)."""
+    found = P.read_parts(out)
+    if found:
+        return found[0]
+    unique, counts = rows.unique()
+    part = P.Part(0, 0, num_shards, 0, rows.fingerprint, len(rows.keys), _dataset_info(cfg, counts))
+    return P.write_part(out, part, [rows.keys[r] for r in unique], unique)
+
+
+def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num_shards: int) -> list[P.Part]:
+    """The parts whose shards this run captures, in order (recording a new one for --append)."""
+    if not manifest.get("content_keys"):
+        return _legacy(cfg, out, manifest, rows, num_shards)
+    parts = P.read_parts(out) or [first_part(cfg, out, rows, int(manifest["num_shards"]))]
+    todo = unfinished(out, parts)
+    for p in todo:  # a crashed run's part is finished first, from its own dataset
+        if p.dataset_fingerprint != rows.fingerprint:
+            raise StoreError(
+                f"store {out}: part {p.index} (from {p.info.get('dataset')}, {p.summary().get('new', '?')} "
+                f"conversations) was interrupted before it finished. Finish it first by rerunning `dflash "
+                f"precompute --append --data {p.info.get('dataset')}` with the rest of that run's options, "
+                "then append this dataset."
+            )
+        if p.num_shards != num_shards:
+            raise ConfigError(
+                f"store {out}: part {p.index} was started with {p.num_shards} shard(s); resume it with "
+                f"--shards {p.num_shards} (under torchrun, {p.num_shards} processes), then append with any count."
+            )
+    if not cfg.append:
+        if all(p.dataset_fingerprint != rows.fingerprint for p in parts):
+            raise StoreError(
+                f"store {out} was written from another dataset than {cfg.data} (its parts: "
+                f"{', '.join(str(p.info.get('dataset')) for p in parts)}). To add the conversations of a grown "
+                "or new dataset to it, pass --append; to start the store over, pass --overwrite; or choose "
+                "another --out."
+            )
+        return todo
+    unique, counts = rows.unique(P.held_keys(out, parts))
+    if not len(unique):
+        print(f"precompute --append: {cfg.data}: all {len(rows.keys)} rows are held by store {out} "
+              f"({counts['already_stored']} stored, {counts['duplicates']} repeated in the dataset); "
+              "nothing to add.", flush=True)
+        return todo
+    last = parts[-1]
+    new = P.Part(last.index + 1, last.first_shard + last.num_shards, num_shards, max(p.id_end for p in parts),
+                 rows.fingerprint, len(rows.keys), _dataset_info(cfg, counts))
+    new = P.write_part(out, new, [rows.keys[r] for r in unique], unique)
+    print(f"precompute --append: part {new.index} of {out}: {counts['new']} new conversations from {cfg.data} "
+          f"({counts['already_stored']} already stored, {counts['duplicates']} repeated in the dataset), "
+          f"shards {new.first_shard}-{new.first_shard + new.num_shards - 1}.", flush=True)
+    return [*todo, new]
+
+
+def _legacy(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num_shards: int) -> list[P.Part]:
+    if cfg.append:
+        raise StoreError(
+            f"store {out} was written by an older dflash that did not record which conversations it holds "
+            f"(no `content_keys` in {out / MANIFEST}), so it cannot be appended to. Recapture it with "
+            "--overwrite (or into another --out); stores written from now on can grow."
+        )
+    if manifest.get("dataset_fingerprint") != rows.fingerprint or int(manifest["num_shards"]) != num_shards:
+        raise StoreError(
+            f"store {out} was written by a different run (another dataset than {cfg.data}, or another --shards "
+            f"than {num_shards}). Rerunning continues a store only with the same inputs; pass --overwrite to "
+            "start over, or choose another --out."
+        )
+    return unfinished(out, [legacy_part(manifest)])
+
+
+__all__ = ["Rows", "first_part", "legacy_part", "plan_parts", "unfinished"]
