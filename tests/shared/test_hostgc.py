@@ -56,7 +56,7 @@ def test_training_collects_on_schedule_and_restores_gc(tmp_path):
     from dflash.train.launch import launch_train
     from train_fixtures import build_counting_store
 
-    target, store = build_counting_store(tmp_path / "data", n=24)
+    target, store = build_counting_store(tmp_path / "data", n=24, teach=False)  # GC timing needs no taught target
     cfg = TrainConfig(store=str(store), target=str(target), out=str(tmp_path / "run"), gpus="cpu:1", block_size=8,
                       num_layers=1, steps=6, warmup_steps=1, token_budget=256, num_anchors=8, num_workers=1,
                       compile="off", num_shapes=1, gc_every=2, save_every=0)
