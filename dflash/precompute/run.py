@@ -246,7 +246,7 @@ def _rank0_first(fn):
 def summarize(store: str | Path, wall_s: float | None = None) -> dict:
     """Totals over the shards' recorded stats, plus bytes per stored token."""
     m = read_manifest(store)
-    tot = {k: 0 for k in ("num_samples", "num_tokens", "num_supervised", "skipped", "truncated", "rows")}
+    tot = {k: 0 for k in ("num_samples", "num_tokens", "num_supervised", "skipped", "cut_away", "truncated", "rows")}
     for st in m["shards"].values():
         for k in tot:
             tot[k] += int(st.get(k) or 0)
@@ -260,7 +260,10 @@ def _print_summary(store, tot: dict, max_length: int) -> None:
     print(
         f"precompute: {store}: {tot['num_samples']} samples, {tot['num_tokens']} tokens "
         f"({tot['num_supervised']} supervised); skipped {tot['skipped']} without supervised tokens, "
-        f"truncated {tot['truncated']} to {max_length} tokens; {tot['bytes_per_token']:.0f} bytes/token; "
+        f"truncated {tot['truncated']} to {max_length} tokens"
+        + (f" and {tot['cut_away']} more that --max-length cut before any reply token (not stored)"
+           if tot["cut_away"] else "")
+        + f"; {tot['bytes_per_token']:.0f} bytes/token; "
         f"{tot['wall_s']:.1f}s",
         flush=True,
     )

@@ -107,7 +107,7 @@ def run_shard(job: ShardJob) -> dict:
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
-        stats = {"rows": len(rows), "skipped": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
+        stats = {"rows": len(rows), "skipped": 0, "cut_away": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
         writer_args = dict(
             store_path=cfg.out,
             shard_index=shard,
@@ -130,8 +130,8 @@ def run_shard(job: ShardJob) -> dict:
                 samples = []
                 for r in window:
                     rd = render(tokenizer, conversation_of(ds[r], r, cfg.data), cfg.max_length, where=f"dataset {cfg.data}, row {r}")
-                    if not any(rd.loss_mask):
-                        stats["skipped"] += 1
+                    if not any(rd.loss_mask):  # nothing to learn: no reply, or --max-length cut it all away
+                        stats["cut_away" if rd.truncated else "skipped"] += 1
                         continue
                     stats["truncated"] += rd.truncated
                     samples.append((r, rd))

@@ -128,6 +128,19 @@ def test_a_second_append_of_the_same_data_adds_nothing(grown, tmp_path):
         {k: v for k, v in before.items() if "status.json" not in k}
 
 
+def test_a_pipeline_rerun_with_grown_data_appends_instead_of_starting_over(grown, tmp_path):
+    """`--append --restart-changed` (what dvc.yaml runs): grown data grows the store; nothing is recaptured."""
+    store = tmp_path / "s"
+    shutil.copytree(grown["base"], store)
+    args = ["precompute", "--target", grown["target"], "--data", grown["second"], "--out", store, "--gpus", "cpu",
+            "--max-length", "256", "--topk", "4", "--target-layers", "1,2", "--append", "--restart-changed",
+            "--commit-every-tokens", "200", "--store-chunk-tokens", "16", "--token-budget", "256"]
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 0 and "starting it over" not in res.output and "14 new conversations" in res.output, \
+        res.output
+    assert _files(store / "shard-00000") == grown["before"] and len(open_store(store)) == 30
+
+
 @pytest.mark.parametrize("flag, value, names", [
     ("--target-layers", "0,2", "target_layer_ids: store has [1, 2], this run has [0, 2]"),
     ("--topk", "3", "topk: store has 4, this run has 3"),

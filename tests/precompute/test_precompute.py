@@ -89,17 +89,21 @@ def test_truncation_and_skips_are_counted(tmp_path, targets, capsys):
     max_length = 90
     cut = [render(tok, conversation_of(r, i, data), max_length) for i, r in enumerate(rows)]
     kept = [i for i, r in enumerate(cut) if any(r.loss_mask)]
-    n_skip, n_trunc = len(rows) - len(kept), sum(cut[i].truncated for i in kept)
-    assert 3 not in kept and 7 not in kept and n_trunc >= 2 and len(kept) >= 6
+    n_trunc = sum(cut[i].truncated for i in kept)
+    n_cut = sum(r.truncated and not any(r.loss_mask) for r in cut)  # row 7: the reply lies past the cut
+    n_skip = len(rows) - len(kept) - n_cut
+    assert 3 not in kept and 7 not in kept and n_trunc >= 2 and len(kept) >= 6 and n_cut >= 1 and n_skip >= 1
     tot = run_precompute(PrecomputeConfig(target=str(targets["qwen3"]), data=str(data), out=str(tmp_path / "s"),
                                           gpus="cpu", max_length=max_length, target_layers=[1], topk=0))
-    assert (tot["skipped"], tot["truncated"], tot["num_samples"]) == (n_skip, n_trunc, len(kept))
-    assert f"skipped {n_skip} without supervised tokens, truncated {n_trunc}" in capsys.readouterr().out
+    assert (tot["skipped"], tot["cut_away"], tot["truncated"], tot["num_samples"]) == (n_skip, n_cut, n_trunc, len(kept))
+    out = capsys.readouterr().out
+    assert f"skipped {n_skip} without supervised tokens, truncated {n_trunc} to {max_length} tokens and {n_cut} " \
+        "more that --max-length cut before any reply token" in out, out
     s = open_store(tmp_path / "s")
     assert s.sample_ids() == kept
     assert s.lengths().max() == max_length and s.topk == 0
     shard = s.manifest["shards"]["shard-00000"]
-    assert shard["skipped"] == n_skip and shard["truncated"] == n_trunc
+    assert shard["skipped"] == n_skip and shard["truncated"] == n_trunc and shard["cut_away"] == n_cut
     assert verify_store(tmp_path / "s").ok
 
 
