@@ -33,7 +33,7 @@ from dflash.store.manifest import shard_status
 from dflash.store.parts import Part, part_path, part_rows
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
-from dflash.target.capture import Capture, load_target, load_tokenizer, resolve_dtype
+from dflash.target.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
 
 WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
 
@@ -102,6 +102,9 @@ def run_shard(job: ShardJob) -> dict:
         if shard_status(cfg.out, shard).get("status") == "complete":
             return shard_status(cfg.out, shard)
         model = load_target(cfg.target, resolve_dtype(cfg.dtype, device), device, cfg.trust_remote_code)
+        note = linear_attention_note(model)
+        if note and (job.part is None or shard == job.part.first_shard):  # once per run, not per shard
+            print(f"precompute: {note}", flush=True)
         _exit_if_orphaned(job)  # loading takes long: a launcher killed meanwhile needs no capture from us
         capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
         hidden_size = model.config.get_text_config().hidden_size

@@ -85,6 +85,20 @@ def load_target(target_dir, dtype: torch.dtype, device: torch.device, trust_remo
     return model
 
 
+def linear_attention_note(model) -> str | None:
+    """A start-up line for a hybrid target (Gated DeltaNet layers, Qwen3-Next / Qwen3.5): whether the
+    flash-linear-attention kernels are there; without them transformers runs those layers in plain torch."""
+    types = list(getattr(model.config.get_text_config(), "layer_types", None) or [])
+    n = sum(t == "linear_attention" for t in types)
+    if not n:
+        return None
+    what = f"the target has {n} Gated DeltaNet (linear-attention) layers of {len(types)}"
+    if importlib.util.find_spec("fla") is not None:
+        return f"{what}; flash-linear-attention is installed (transformers uses its kernels on a GPU)."
+    return (f"{what}, and flash-linear-attention is not installed: transformers runs them with its torch fallback, "
+            "several times slower on a GPU. Install the kernels with `pip install 'dflash[fla]'`.")
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The decoder's layer list (`model.model.layers` for Llama/Qwen3, found generically otherwise)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model

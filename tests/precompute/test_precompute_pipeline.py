@@ -31,12 +31,17 @@ DFLASH = str(Path(sys.executable).with_name("dflash"))
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    """Every file of a store but the two with timestamps (status.json, manifest.json)."""
-    return {
+    """Every file of a store but those with timestamps (status.json, manifest.json, the part records, whose
+    rows are compared instead)."""
+    from dflash.store.parts import part_rows, read_parts
+
+    files = {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name not in ("status.json", "manifest.json") and not p.name.startswith(".lock")
+        and p.parent.name != "parts"
     }
+    return {**files, **{f"part {q.index} rows": part_rows(root, q.index).tobytes() for q in read_parts(root)}}
 
 
 def _cfg(target, data, out, **kw) -> PrecomputeConfig:
@@ -48,7 +53,7 @@ def _cfg(target, data, out, **kw) -> PrecomputeConfig:
 
 
 def _run_shard(cfg: PrecomputeConfig, pipelined: bool, slots: int = 2) -> Path:
-    manifest, layer_ids = prepare(cfg, 1)
+    manifest, layer_ids, _ = prepare(cfg, 1)
     create_or_check_manifest(cfg.out, manifest)
     run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, pipelined=pipelined, write_slots=slots))
     return Path(cfg.out)

@@ -94,7 +94,8 @@ def test_vl_wrapper_loads_the_saved_language_model(tmp_path, name):
 
 @pytest.mark.slow  # a real precompute and two CPU training steps per family, ~5-10 s each
 @pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "gpt_oss", "qwen3_moe"])
-def test_precompute_and_train_on_the_family(tmp_path, name):
+def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
+    import importlib.util
     import json
     import math
 
@@ -105,6 +106,11 @@ def test_precompute_and_train_on_the_family(tmp_path, name):
     d = make_family_target(tmp_path, name, num_layers=4)
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", n=12, max_words=10)
     store = build_store(tmp_path / "store", d, data, max_length=96)
+    said = capsys.readouterr().out
+    hybrid = name in ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next")  # Gated DeltaNet layers: the kernels are named
+    assert ("Gated DeltaNet (linear-attention) layers" in said) == hybrid, said
+    if hybrid and importlib.util.find_spec("fla") is None:
+        assert "flash-linear-attention is not installed" in said and "dflash[fla]" in said
     ident = json.loads((store / "manifest.json").read_text())["target"]
     assert ident["num_hidden_layers"] == 4 and ident["hidden_size"] == 64
     out = tmp_path / "run"
