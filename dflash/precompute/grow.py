@@ -73,7 +73,8 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
     """The parts whose shards this run captures, in order (recording a new one for --append)."""
     if not manifest.get("content_keys"):
         return _legacy(cfg, out, manifest, rows, num_shards)
-    parts = P.read_parts(out) or [first_part(cfg, out, rows, int(manifest["num_shards"]))]
+    found = P.read_parts(out)
+    parts = found or [first_part(cfg, out, rows, int(manifest["num_shards"]))]
     todo = unfinished(out, parts)
     for p in todo:  # a crashed run's part is finished first, from its own dataset
         if p.dataset_fingerprint != rows.fingerprint:
@@ -96,6 +97,8 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
                 "or new dataset to it, pass --append; to start the store over, pass --overwrite; or choose "
                 "another --out."
             )
+        return todo
+    if not found:  # a store this run begins: its part 0 is this dataset, nothing is left to append
         return todo
     unique, counts = rows.unique(P.held_keys(out, parts))
     if not len(unique):
