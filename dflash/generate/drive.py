@@ -19,6 +19,7 @@ from dflash.errors import DFlashError, GenerateError
 from dflash.generate.journal import Journal
 from dflash.generate.local import Request
 from dflash.generate.rows import Plan, apply_response, prompt_messages, write_back
+from dflash.spawned import supervise
 
 
 def make_engine(cfg, device: str | None):
@@ -136,29 +137,11 @@ def _spawn(cfg, work, rows, todo, devices: list[str], bar: Bar) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     n = len(devices)
-    procs = [ctx.Process(target=_worker, args=(cfg, work, rows, todo[k::n], k, d, queue)) for k, d in enumerate(devices)]
-    for p in procs:
+    procs = {k: ctx.Process(target=_worker, args=(cfg, work, rows, todo[k::n], k, d, queue))
+             for k, d in enumerate(devices)}
+    for p in procs.values():
         p.start()
-    finished, failure = set(), None
-    try:
-        while len(finished) < n and failure is None:
-            while not queue.empty():
-                kind, shard, payload = queue.get()
-                if kind == "progress":
-                    bar(*payload)
-                    continue
-                finished.add(shard)
-                failure = failure or (None if kind == "ok" else (kind, shard, payload))
-            for k, p in enumerate(procs):
-                if k not in finished and p.exitcode is not None and queue.empty():
-                    failure = failure or ("died", k, f"exit code {p.exitcode}")
-                    finished.add(k)
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive() and (failure is not None or sys.exc_info()[0] is not None):
-                p.terminate()
-            p.join()
+    failure = supervise(procs, queue, on_message=lambda kind, shard, payload: bar(*payload))
     if failure is None:
         return
     kind, shard, payload = failure

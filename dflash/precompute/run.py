@@ -30,6 +30,7 @@ from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
+from dflash.spawned import supervise
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part
@@ -188,28 +189,10 @@ def _spawn(jobs: list[ShardJob]) -> None:
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_shard_entry, args=(job, queue), daemon=False) for job in jobs]
-    for p in procs:
+    procs = {job.shard: ctx.Process(target=_shard_entry, args=(job, queue), daemon=False) for job in jobs}
+    for p in procs.values():
         p.start()
-    finished: set[int] = set()
-    failure = None
-    try:
-        while len(finished) < len(jobs) and failure is None:
-            while not queue.empty():
-                kind, shard, payload = queue.get()
-                finished.add(shard)
-                if kind != "ok":
-                    failure = (kind, shard, payload)
-            for job, p in zip(jobs, procs):
-                if job.shard not in finished and p.exitcode is not None and queue.empty():
-                    failure = failure or ("died", job.shard, f"exit code {p.exitcode}")
-                    finished.add(job.shard)
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive() and (failure is not None or sys.exc_info()[0] is not None):
-                p.terminate()
-            p.join()
+    failure = supervise(procs, queue)
     if failure is None:
         return
     kind, shard, payload = failure
