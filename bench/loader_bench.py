@@ -100,7 +100,8 @@ def drop_page_cache() -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batches: int, cap_s: float) -> dict:
+def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batches: int, cap_s: float,
+            verify: bool = True) -> dict:
     """Pull micro-batches from the real training DataLoader; rates exclude the workers' start-up."""
     from dflash.store import open_store
     from dflash.train import loader as L
@@ -108,7 +109,7 @@ def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batche
     sh = shapes(tiny)
     spec = L.LoaderSpec(block_size=sh["block_size"], num_anchors=sh["num_anchors"], token_budget=sh["token_budget"],
                         block_budget=sh["token_budget"], rows_per_batch=1, mask_token_id=mask_id)
-    store = open_store(store_path)
+    store = open_store(store_path, verify=verify)  # verify: each sample's checksums, as training reads them
     ds = L.PackedDataset(store, spec)
     sampler = L.RankSampler(ds, rank=0, world=1, accum=1, start_epoch=0, start_batch=0, steps=max_batches)
     t0 = time.perf_counter()
@@ -146,13 +147,18 @@ def part_loader(tiny: bool, limit: float) -> None:
     out = {}
     counts = (1, 2) if tiny else (2, 4, 8)
     cap = 3.0 if tiny else 8.0
+    # BENCH_LOADER_VERIFY_AB=1: each worker count with and without the per-sample checksums, alternating
+    ab = os.environ.get("BENCH_LOADER_VERIFY_AB") == "1"
     for w in counts:
-        if elapsed() + cap + 15 > limit:
-            out[f"workers_{w}"] = {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"}
-            continue
-        with res.guard(f"workers_{w}"):
-            out[f"workers_{w}"] = iterate(store, mask_id, tiny, w, 10_000, cap)
-            res.set("loader", out)
+        for verify in ((True, False, True, False) if ab else (True,)):
+            key = f"workers_{w}" + (("_verify_on" if verify else "_verify_off") if ab else "")
+            if elapsed() + cap + 15 > limit:
+                out[key] = {"skipped": f"time: {elapsed():.0f}s of {limit:.0f}s"}
+                continue
+            with res.guard(key):
+                r = iterate(store, mask_id, tiny, w, 10_000, cap, verify=verify)
+                out[key] = [*out[key], r] if isinstance(out.get(key), list) else ([r] if ab else r)
+                res.set("loader", out)
     res.set("loader", out)
     if not tiny and elapsed() + cap + 20 < limit:
         with res.guard("cold_cache"):
