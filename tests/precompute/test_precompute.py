@@ -252,7 +252,8 @@ def test_bad_input_fails_cleanly(bad, targets, case, expect):
     _no_valid_store(store)
 
 
-def test_rerun_with_other_inputs_is_refused(tmp_path, targets):
+def test_rerun_with_other_inputs_is_refused(tmp_path, targets, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the repository's params.yaml (its pipeline appends) must not apply here
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 6)
     store = build_store(tmp_path / "s", targets["qwen3"], data)
     base = ["--data", data, "--out", store, "--gpus", "cpu", "--max-length", "256", "--topk", "4"]
