@@ -118,6 +118,10 @@ class TrainConfig:
                               "4 for B=8, else B/2-1.")
     kd_weight: float = opt(0.0, "Weight of the KD term against the stored top-k.")
     kd_temperature: float = opt(1.0, "Temperature of the KD term.")
+    loss_norm: str = opt("step", "Loss normalisation: step = the weighted mean over every label of the optimizer "
+                         "step (all micro-batches and processes, the gradient of one big batch); micro_batch = "
+                         "each micro-batch's own weighted mean, averaged (as per-micro-batch trainers do; "
+                         "docs/RECIPE.md).", ("step", "micro_batch"))
     lm_head_chunk: int = opt(2048, "Block positions per lm_head + loss chunk.")
     loss_kernel: str = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
                            "off; elsewhere it falls back) or torch.compile'd.", ("triton", "compiled"))

@@ -179,7 +179,9 @@ class TrainStep:
             if self.fsdp:
                 self.raw.set_requires_gradient_sync(last_micro)
             with sync:
-                out = self.forward_backward(m, denom / self.world)
+                # micro_batch: this micro-batch's own mean / the step's micro-batches (DDP averages processes)
+                out = self.forward_backward(m, denom / self.world if cfg.loss_norm == "step"
+                                            else max(item[0]["loss_weight_sum"], 1e-12) * len(items))
             if i == 0 and prefetch:
                 # The next step's host-to-device copies overlap this step's compute.
                 feeder.prefetch()
