@@ -47,7 +47,11 @@ QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, 
 # Qwen3-32B: the 27B/32B-class shape (64 target layers; 5 evenly spaced in 1..61, docs/DESIGN.md §2).
 QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
                  head_dim=128, intermediate_size=25600, vocab_size=151936, target_layer_ids=[1, 16, 31, 46, 61])
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B}
+# Qwen3.6-27B (hybrid: 3 Gated DeltaNet layers per gated full-attention layer): the drafter copies its
+# attention shape; bench/hybrid_27b.py adds the linear-attention fields for the target itself.
+QWEN36_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                  head_dim=256, intermediate_size=17408, vocab_size=248320, target_layer_ids=[1, 16, 31, 46, 61])
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B, "qwen3.6-27b": QWEN36_27B}
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, vocab_size=1000, target_layer_ids=[1, 2])
 

@@ -56,14 +56,15 @@ def split_lengths(rng, total: int, k: int) -> list[int]:
     return lens
 
 
-def build_batches(n_batches: int, R: int, S: int, Q: int, k: int, B: int, width: int, vocab: int, seed: int):
+def build_batches(n_batches: int, R: int, S: int, Q: int, k: int, B: int, width: int, vocab: int, seed: int,
+                  sliding_window: int | None = None):
     """n_batches micro-batches of R rows, each row k samples filling S context tokens and Q block tokens,
     built by loader.PackedDataset.build; also the per-row mask_metadata calls (for timing them)."""
     rng = np.random.default_rng(seed)
     row_lengths = [split_lengths(rng, S, k) for _ in range(n_batches * R)]
     store = SyntheticStore([n for row in row_lengths for n in row], width, vocab, seed)
     spec = L.LoaderSpec(block_size=B, num_anchors=Q // (B * k), token_budget=S, block_budget=Q, rows_per_batch=R,
-                        mask_token_id=vocab - 1, num_shapes=1, seed=seed)
+                        mask_token_id=vocab - 1, num_shapes=1, seed=seed, sliding_window=sliding_window)
     ds = L.PackedDataset(store, spec)
     calls, orig = [], masks.mask_metadata
 
@@ -111,8 +112,15 @@ def create_block_mask_baseline(meta):
                              device=meta["q_sample"].device, BLOCK_SIZE=TILE)
 
 
-def live_tiles(meta) -> int:
-    return int(meta["kv_num_blocks"].sum()) + int(meta["full_kv_num_blocks"].sum())
+def live_tiles(meta, layer_types: list[str] | None = None) -> float:
+    """Tiles one layer computes, averaged over the drafter's layers (a sliding layer skips the tiles
+    outside its window: the `swa_` tiles of masks.mask_metadata)."""
+    full = int(meta["kv_num_blocks"].sum()) + int(meta["full_kv_num_blocks"].sum())
+    if not layer_types or masks.SLIDING_ATTENTION not in layer_types:
+        return full
+    swa = int(meta["swa_kv_num_blocks"].sum()) + int(meta["swa_full_kv_num_blocks"].sum())
+    n_swa = layer_types.count(masks.SLIDING_ATTENTION)
+    return (full * (len(layer_types) - n_swa) + swa * n_swa) / len(layer_types)
 
 
 def step_flops(c: DrafterConfig, R: int, S: int, Q: int, n_labels: int, tiles: int) -> dict:

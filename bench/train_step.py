@@ -51,7 +51,8 @@ class Bench:
             num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
             intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
             num_target_layers=d["num_hidden_layers"], target_layer_ids=d["target_layer_ids"],
-            mask_token_id=d["vocab_size"] - 1, block_size=args.block_size)
+            mask_token_id=d["vocab_size"] - 1, block_size=args.block_size,
+            layer_types=getattr(args, "layer_types", None), sliding_window=getattr(args, "sliding_window", None))
         cuda = torch.device(device).type == "cuda"
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
         dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
@@ -157,7 +158,8 @@ class Bench:
                 "new_graphs": counters["stats"]["unique_graphs"] - graphs0, "mode": mode}
 
     def report(self, r: dict, batches, R: int, S: int, Q: int) -> dict:
-        fl = [step_flops(self.cfg, R, S, Q, int((b["labels"] != IGNORE).sum()), live_tiles(b["mask"])) for b in batches]
+        fl = [step_flops(self.cfg, R, S, Q, int((b["labels"] != IGNORE).sum()), live_tiles(b["mask"], self.cfg.layer_types))
+              for b in batches]
         mean = {k: float(np.mean([f[k] for f in fl])) for k in fl[0]}
         t = r["wall_per_step"]  # throughput: wall time over all steps, nothing synced in between
         ctx = float(np.mean([b["num_ctx_tokens"] for b in batches]))
@@ -224,7 +226,9 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
     width = bench.cfg.num_features * bench.cfg.hidden_size
     cuda = torch.device(bench.device).type == "cuda"
     t = time.perf_counter()
-    batches, calls, build_s = build_batches(args.batches, R, S, Q, k, B, width, bench.cfg.vocab_size, seed=R * 7 + k)
+    window = bench.cfg.sliding_window if bench.cfg.has_sliding else None
+    batches, calls, build_s = build_batches(args.batches, R, S, Q, k, B, width, bench.cfg.vocab_size, seed=R * 7 + k,
+                                            sliding_window=window)
     if cuda:
         batches = [pin(b) for b in batches]
     res.set(f"{key}_config", {"rows_per_batch": R, "S": S, "Q": Q, "samples_per_row": k, "block_size": B,
