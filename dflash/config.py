@@ -125,6 +125,17 @@ class TrainConfig:
     lm_head_chunk: int = opt(2048, "Block positions per lm_head + loss chunk.")
     loss_kernel: str = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
                            "off; elsewhere it falls back) or torch.compile'd.", ("triton", "compiled"))
+    # DFlash2 and D-PACE (docs/DESIGN.md §11)
+    arch: str = opt("dflash", "Drafter: dflash, or dflash2 (grouped dynamic block convolutions and a top-K candidate "
+                    "selector; exported as DFlash2DraftModel).", ("dflash", "dflash2"))
+    loss: str = opt("ce", "Per-position weights of the cross-entropy: ce = the exp(-(k-1)/gamma) decay; dpace = "
+                    "D-PACE's, from the drafter's own per-token CE (arXiv 2605.18810).", ("ce", "dpace"))
+    dpace_alpha: float = opt(0.5, "--loss dpace: smoothing of each position's probability, (1-alpha) p + alpha.")
+    conv_kernel_size: int = opt(2, "--arch dflash2: taps of each block convolution.")
+    conv_group_size: int = opt(16, "--arch dflash2: channels per dynamic coefficient (divides the hidden size).")
+    selector_rank: int = opt(256, "--arch dflash2: rank of the candidate selector's transition.")
+    selector_top_k: int = opt(16, "--arch dflash2: lm_head candidates the selector reranks per position.")
+    selector_loss_weight: float = opt(1.0, "--arch dflash2: weight of the selector's K-way cross-entropy term.")
     # systems
     parallel: str = opt("ddp", "Data parallelism.", ("ddp", "fsdp"))
     ddp_overlap: bool = opt(True, "DDP: all-reduce gradients during the backward (else after it).")

@@ -454,13 +454,15 @@ class DraftCache:
 
 
 class DFlashDrafter(nn.Module):
+    layer_cls = DecoderLayer  # dflash.dflash2 swaps in its convolved layer
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg)
         self.init_weights()

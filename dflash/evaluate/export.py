@@ -42,10 +42,10 @@ def _strip(key: str) -> str:
 
 def drafter_state(state: dict[str, torch.Tensor], cfg, where) -> dict[str, torch.Tensor]:
     """Exactly the exported key set (model.state_dict_keys), or a DFlashError naming what is off."""
-    from dflash.model import state_dict_keys
+    from dflash.dflash2 import export_keys
 
     state = {_strip(k): v for k, v in state.items()}
-    want = state_dict_keys(cfg.num_hidden_layers, cfg.attention_bias)
+    want = export_keys(cfg)  # DFlash2: also the convolutions and the candidate selector
     missing = [k for k in want if k not in state]
     if missing:
         raise DFlashError(
@@ -59,7 +59,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     """(DFlashDrafter in fp32 eval mode, checkpoint dir, train_config dict) from a run or checkpoint dir."""
     from safetensors.torch import load_file
 
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.dflash2 import build_drafter, config_from_hf_dict
     from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)
@@ -73,12 +73,12 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
         raise DFlashError(f"checkpoint {ckpt} cannot be used: {e} Pass an earlier checkpoint of the run "
                           f"({ckpt.parent}/step-*), or resume training to write a new one.") from None
     try:
-        cfg = DrafterConfig.from_hf_dict(json.loads(cfg_path.read_text()))
+        cfg = config_from_hf_dict(json.loads(cfg_path.read_text()))
         state = load_file(str(ckpt / "model.safetensors"))
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, TypeError, SafetensorError
         raise DFlashError(f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); it is incomplete or not "
                           "a dflash checkpoint.") from None
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     drafter.load_state_dict(drafter_state(state, cfg, ckpt), strict=False)  # rotary buffer is not saved
     train_config = {}
     if (ckpt / "train_config.json").is_file():
@@ -90,18 +90,18 @@ def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Reload an export as a consumer would: config.json -> DrafterConfig, strict weight load."""
     from safetensors.torch import load_file
 
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.dflash2 import build_drafter, config_from_hf_dict
     from dflash.train.checkpoint import check_safetensors
 
     out_dir = Path(out_dir)
     check_safetensors(out_dir / "model.safetensors")
     d = json.loads((out_dir / "config.json").read_text())
-    cfg = DrafterConfig.from_hf_dict(d)
+    cfg = config_from_hf_dict(d)  # DFlash2DraftModel -> DFlash2Config
     eagle = d.get("eagle_aux_hidden_state_layer_ids")
     if eagle is not None and list(eagle) != [i + 1 for i in cfg.target_layer_ids]:
         raise DFlashError(f"export {out_dir}: eagle_aux_hidden_state_layer_ids {eagle} is not target_layer_ids + 1 "
                           f"({cfg.target_layer_ids}); vLLM would feed the drafter other layers than it was trained on.")
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     missing, unexpected = drafter.load_state_dict(load_file(str(out_dir / "model.safetensors")), strict=False)
     missing = [k for k in missing if not k.startswith("rotary_emb.")]
     if missing or unexpected:
@@ -125,7 +125,8 @@ def _check_out(out: Path, source: Path) -> None:
     if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
         raise ConfigError(f"export directory {out} is inside the source {source}; choose a directory outside it.")
     if out.exists():
-        is_export = (out / "config.json").is_file() and "DFlashDraftModel" in (out / "config.json").read_text()
+        text = (out / "config.json").read_text() if (out / "config.json").is_file() else ""
+        is_export = "DFlashDraftModel" in text or "DFlash2DraftModel" in text
         if not out.is_dir() or (any(out.iterdir()) and not is_export):
             raise ConfigError(
                 f"{out} exists and is not an earlier dflash export; pass a new directory (an earlier export "
@@ -168,7 +169,7 @@ def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: 
     cfg = drafter.config
     hf = engine_config(cfg)
     metadata = {k: v for k, v in (metadata or {}).items() if not _is_local_path(v)}
-    hf["architectures"] = ["DFlashDraftModel"]
+    hf["architectures"] = cfg.to_hf_dict()["architectures"]  # DFlashDraftModel or DFlash2DraftModel
     hf["model_type"] = "qwen3"
     hf["dtype"] = _HF_DTYPE[dtype]
     hf["torch_dtype"] = _HF_DTYPE[dtype]  # what transformers < 4.56 (and engines built on it) read
@@ -230,6 +231,9 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     diff = float((a - b).abs().max())
     scale = float(b.abs().max())
     fields = _without_local_paths(exported.config.to_hf_dict()) == _without_local_paths(ref.config.to_hf_dict())
+    if hasattr(ref, "candidate_selector"):  # DFlash2: the served proposals of the same blocks must agree too
+        h, anchor = ref(*batch)[:, 1 : cfg.block_size], torch.zeros(1, dtype=torch.long)
+        fields = fields and bool((exported.propose(h, lm_head, anchor) == ref.propose(h, lm_head, anchor)).all())
     ok = diff <= 1e-4 * max(1.0, scale) and fields
     return {"ok": ok, "max_abs_logit_diff": diff, "max_abs_logit": scale, "config_round_trip": fields,
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}

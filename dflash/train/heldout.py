@@ -118,7 +118,13 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                     mask,
                 )
             labels = b["labels"].to(device)
-            tau, right, valid = block_acceptance(_greedy(hidden, lm_head, labels), labels, B)
+            if hasattr(drafter, "candidate_selector"):  # DFlash2: the selector's proposals, as served (§11)
+                from dflash.train.objectives import selector_predictions
+
+                preds = selector_predictions(drafter, hidden, lm_head, labels, b["block_input_ids"].to(device), B)
+            else:
+                preds = _greedy(hidden, lm_head, labels)
+            tau, right, valid = block_acceptance(preds, labels, B)
             taus.append(tau.cpu())
             rights.append(right.sum(0).cpu())
             valids.append(valid.sum(0).cpu())

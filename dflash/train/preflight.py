@@ -273,6 +273,9 @@ def preflight(cfg: TrainConfig) -> Setup:
     mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store, growing=cfg.follow)
     dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
                                      list(store.target_layer_ids), mask_id, *_layer_types(cfg))
+    from dflash.train.objectives import drafter_config_for
+
+    dcfg = drafter_config_for(dcfg, cfg)  # --arch dflash2: a DFlash2Config (docs/DESIGN.md §11)
     problem = engine_layer_problem(dcfg.target_layer_ids, dcfg.num_target_layers)
     if problem:  # it would train, but vLLM / SGLang could not serve the export (docs/DESIGN.md §2)
         raise ConfigError(f"store {cfg.store} cannot train a drafter the engines can serve: {problem}")

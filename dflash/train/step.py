@@ -92,10 +92,10 @@ def compile_count() -> int:
 
 def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: int, n_shapes: int):
     """(module to call, the raw drafter, the DDP wrapper or None) with DDP / FSDP2 and compile applied."""
-    from dflash.model import DFlashDrafter
+    from dflash.dflash2 import build_drafter
 
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
-    raw = DFlashDrafter(drafter_config).to(device)
+    raw = build_drafter(drafter_config).to(device)  # DFlashDrafter or DFlash2Drafter, by its config
     ddp = parallel.wrap(raw, cfg.parallel, device, world)
     if compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair
@@ -202,7 +202,7 @@ class TrainStep:
 
         `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
         average over: the gradient of the global weighted mean."""
-        cfg, clock = self.cfg, self.host
+        clock = self.host
         t0 = time.perf_counter()
         if m["ctx_hidden"].is_cuda:
             block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata from the workers
@@ -213,15 +213,34 @@ class TrainStep:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
         t1 = time.perf_counter()
-        out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=cfg.block_size, denom=denom,
-                         topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
-                         kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
-                         label_index=m.get("label_index"), fused=self.fused, kernel=cfg.loss_kernel)
+        out = self.loss(m, hidden, denom)
         t2 = time.perf_counter()
         out.loss.backward()
         clock["fwd"] += t1 - t0
         clock["loss"] += t2 - t1
         clock["bwd"] += time.perf_counter() - t2
+        return out
+
+    def loss(self, m: dict, hidden: torch.Tensor, denom):
+        """block_loss with the run's objective: the loader's decay weights or D-PACE's (--loss), plus the
+        selector's term for a DFlash2 drafter (dflash.train.objectives, docs/DESIGN.md §11)."""
+        from dflash.train import objectives as obj
+
+        cfg, labels, weight = self.cfg, m["labels"], m["loss_weight"]
+        dflash2 = hasattr(self.raw, "candidate_selector")
+        pre = sel = None
+        if cfg.loss == "dpace" or dflash2:
+            sel = obj.labelled(labels, m.get("label_index"))
+            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.lm_head_chunk, self.raw if dflash2 else None)
+        if cfg.loss == "dpace":
+            weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.block_size, cfg.dpace_alpha)
+        out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
+                         topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
+                         kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
+                         label_index=m.get("label_index"), fused=self.fused, kernel=cfg.loss_kernel)
+        if dflash2:
+            out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m["block_input_ids"], weight, sel,
+                                        block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)
         return out
 
     def state_dict(self) -> tuple[dict, dict]:

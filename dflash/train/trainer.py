@@ -111,6 +111,9 @@ class Trainer:
         if found is None:
             return
         latest, (model_state, drafter_cfg, train_state, _) = found
+        changed = ckpt.arch_change(latest, drafter_cfg, self.setup.drafter_config.to_hf_dict())
+        if changed:
+            raise ConfigError(changed)
         if drafter_cfg != self.setup.drafter_config.to_hf_dict():
             raise ConfigError(
                 f"checkpoint {latest} was trained with a different drafter (block size, layers, layer types, "

@@ -14,7 +14,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dflash"
 
-SHARED = {"dflash", "dflash.config", "dflash.errors", "dflash.model", "dflash.masks", "dflash.chat", "dflash.hostgc",
+SHARED = {"dflash", "dflash.config", "dflash.errors", "dflash.model", "dflash.dflash2", "dflash.masks", "dflash.chat", "dflash.hostgc",
           "dflash.locks", "dflash.spawned"}
 # what each layer may import besides itself; the data flow is generate -> precompute -> store -> train -> evaluate
 ALLOWED = {

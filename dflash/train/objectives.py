@@ -1,0 +1,166 @@
+"""Objectives beside the decayed cross-entropy of dflash.train.loss (docs/DESIGN.md §11).
+
+- D-PACE (arXiv 2605.18810) per-position weights: from the drafter's own detached per-token cross-entropy
+  of the micro-batch, w_k = sum_{j >= k} prod_{i <= j} s_i with s_i = (1 - alpha) * exp(-ce_i) + alpha over
+  the block's labelled positions (an unlabelled position is neutral in the product and gets weight 0):
+  the derivative of the expected accepted length sum_j prod_{i <= j} p_i with respect to log p_k, with
+  p_i smoothed by alpha.  They are rescaled so that a micro-batch's D-PACE weights sum to its decay
+  weights (the step's loss denominator stays the loader's, and the step stays free of host syncs).
+- The DFlash2 selector's K-way cross-entropy: over the top-K lm_head candidates of each labelled
+  position, the scores of dflash.dflash2.CandidateSelector with the teacher-forced predecessor (the
+  anchor for block position 1, else the true token one position earlier), target the label's index among
+  the candidates; positions whose label is not among them (or whose predecessor is unlabelled) weigh 0.
+  The backbone's hidden states and logits enter detached: the term trains the selector only.
+
+Both need the lm_head logits before the main loss runs, so `head_prepass` computes them once more, chunk
+by chunk, without gradient: the per-token cross-entropy and the top-K.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from dflash.train.loss import IGNORE, block_stats
+
+LOSSES = ("ce", "dpace")
+
+
+def drafter_config_for(dcfg, cfg):
+    """The drafter config a TrainConfig asks for (--arch and its knobs) from the DFlash one preflight
+    derived from the target; a ConfigError for a choice that cannot train."""
+    from dflash.dflash2 import ARCHS, with_arch
+    from dflash.errors import ConfigError
+
+    if cfg.arch not in ARCHS or cfg.loss not in LOSSES:
+        raise ConfigError(f"--arch {cfg.arch} / --loss {cfg.loss}: choose --arch from {', '.join(ARCHS)} and "
+                          f"--loss from {', '.join(LOSSES)}.")
+    if cfg.arch == "dflash2" and cfg.parallel == "fsdp":
+        raise ConfigError("--arch dflash2 trains its candidate selector outside the drafter's forward, which FSDP2 "
+                          "does not shard; use --parallel ddp (the selector is small beside the layers).")
+    try:
+        return with_arch(dcfg, cfg.arch, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                         selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+    except ValueError as e:
+        raise ConfigError(f"--arch {cfg.arch} cannot be built on this target: {e}; change the DFlash2 option "
+                          "(--conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k).") from None
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE weights [..., B] of per-token cross-entropies ce [..., B] (block positions last); valid [..., B]
+    bool.  No gradient flows through them."""
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"dpace_alpha must lie in [0, 1], got {alpha}")
+    with torch.no_grad():
+        v = valid.to(torch.float32)
+        s = (1.0 - alpha) * torch.exp(-ce.detach().float()) + alpha
+        s = torch.where(valid, s, torch.ones_like(s))
+        prefix = torch.cumprod(s, dim=-1) * v
+        return prefix.flip(-1).cumsum(-1).flip(-1) * v
+
+
+@dataclass
+class Prepass:
+    ce: torch.Tensor  # [N] fp32: cross-entropy of each labelled position (the label_index order)
+    unary: torch.Tensor | None  # [N, K] fp32: the selector's unary scores of the top-K, best first
+    ids: torch.Tensor | None  # [N, K] int64
+
+
+def labelled(labels: torch.Tensor, label_index: torch.Tensor | None) -> torch.Tensor:
+    flat = labels.reshape(-1)
+    return label_index if label_index is not None else (flat != IGNORE).nonzero().squeeze(1)
+
+
+@torch.no_grad()
+def head_prepass(hidden, lm_head, labels, sel, chunk: int = 2048, selector_of=None) -> Prepass:
+    """Per-token CE (and with `selector_of`, a DFlash2Drafter, its top-K candidates) of the labelled
+    positions `sel` of hidden [R, Q, H], through the frozen lm_head a chunk at a time."""
+    h = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, sel)
+    y = labels.reshape(-1).index_select(0, sel)
+    n = h.shape[0]
+    ce = torch.empty(n, dtype=torch.float32, device=h.device)
+    K = selector_of.config.selector_top_k if selector_of is not None else 0
+    unary = torch.empty(n, K, dtype=torch.float32, device=h.device) if K else None
+    ids = torch.empty(n, K, dtype=torch.long, device=h.device) if K else None
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        for i in range(0, n, chunk):
+            logits = (h[i : i + chunk].to(lm_head.dtype) @ lm_head.t()).float()
+            ce[i : i + chunk] = torch.logsumexp(logits, -1) - logits.gather(1, y[i : i + chunk, None]).squeeze(1)
+            if K:
+                vals, ids[i : i + chunk] = torch.topk(logits, K, dim=-1)
+                unary[i : i + chunk] = selector_of.unary(vals)
+    return Prepass(ce, unary, ids)
+
+
+def dpace_loss_weight(pre: Prepass, labels, loss_weight, sel, block_size: int, alpha: float) -> torch.Tensor:
+    """[R, Q] D-PACE weights in the layout of the loader's `loss_weight`, with the same sum."""
+    R, Q = labels.shape
+    B, nb = block_size, Q // block_size
+    ce = torch.zeros(R * Q, dtype=torch.float32, device=labels.device)
+    ce[sel] = pre.ce
+    ce = ce.view(R, Q)[:, : nb * B].reshape(R * nb, B)
+    valid = (labels[:, : nb * B] != IGNORE).reshape(R * nb, B)
+    w = torch.zeros(R, Q, dtype=torch.float32, device=labels.device)
+    w[:, : nb * B] = dpace_weights(ce, valid, alpha).view(R, nb * B)
+    return w * (loss_weight.float().sum() / w.sum().clamp_min(1e-12))
+
+
+def previous_tokens(labels: torch.Tensor, block_input_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, Q]: the token before each block position's label (teacher forcing): the anchor token for block
+    position 1, else the label one position earlier (IGNORE where there is none)."""
+    Q = labels.shape[1]
+    prev = torch.full_like(labels, IGNORE)
+    first = (torch.arange(1, Q, device=labels.device) % block_size) == 1
+    prev[:, 1:] = torch.where(first, block_input_ids[:, :-1], labels[:, :-1])
+    return prev
+
+
+def selector_ce(selector, hidden_sel, pre: Prepass, y, prev, w):
+    """(sum of w * K-way CE over learnable rows, predictions [N], learnable [N]) of the selector on the
+    labelled rows: hidden_sel [N, H] (detached), labels y [N], predecessors prev [N], weights w [N]."""
+    hits = pre.ids == y[:, None]
+    learn = hits.any(-1) & (prev != IGNORE)
+    with torch.autocast(device_type=hidden_sel.device.type, enabled=False):
+        scores = selector.scores(hidden_sel.detach().float(), pre.unary, pre.ids, prev.clamp_min(0))
+    ce = F.cross_entropy(scores, hits.int().argmax(-1), reduction="none")
+    preds = pre.ids.gather(1, scores.detach().argmax(-1, keepdim=True)).squeeze(1)
+    return (ce * w.float() * learn).sum(), preds, learn
+
+
+def add_selector_term(out, drafter, hidden, pre: Prepass, labels, block_input_ids, loss_weight, sel, *,
+                      block_size: int, denom, weight: float = 1.0):
+    """`out` (block_loss's LossOutput) with the selector's term added to the loss (normalised by the same
+    `denom`) and its acceptance statistics measured on the selector's proposals, as served."""
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
+    y = labels.reshape(-1).index_select(0, sel)
+    prev = previous_tokens(labels, block_input_ids, block_size).reshape(-1).index_select(0, sel)
+    w = loss_weight.reshape(-1).index_select(0, sel)
+    sel_sum, preds, _ = selector_ce(drafter.candidate_selector, h, pre, y, prev, w)
+    d = denom.to(sel_sum.dtype) if isinstance(denom, torch.Tensor) else denom
+    full = torch.full((labels.numel(),), -1, dtype=torch.long, device=labels.device)
+    full[sel] = preds
+    correct, valid, tau_sum, num_blocks = block_stats(full.view_as(labels), labels, block_size)
+    return replace(out, loss=out.loss + weight * sel_sum / d, correct=correct, valid=valid, tau_sum=tau_sum,
+                   num_blocks=num_blocks)
+
+
+@torch.no_grad()
+def selector_predictions(drafter, hidden, lm_head, labels, block_input_ids, block_size: int,
+                         chunk: int = 4096) -> torch.Tensor:
+    """[R, Q] the DFlash2 drafter's proposals with teacher-forced predecessors (-1 where no label).  Up to
+    the first miss they are the served greedy walk's, so the acceptance length they give is the served one."""
+    sel = labelled(labels, None)
+    pre = head_prepass(hidden, lm_head, labels, sel, chunk, selector_of=drafter)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
+    prev = previous_tokens(labels, block_input_ids, block_size).reshape(-1).index_select(0, sel)
+    y = labels.reshape(-1).index_select(0, sel)
+    _, preds, _ = selector_ce(drafter.candidate_selector, h, pre, y, prev, torch.zeros_like(y, dtype=torch.float32))
+    full = torch.full((labels.numel(),), -1, dtype=torch.long, device=labels.device)
+    full[sel] = preds
+    return full.view_as(labels)
+
+
+__all__ = ["LOSSES", "Prepass", "add_selector_term", "dpace_loss_weight", "drafter_config_for", "dpace_weights", "head_prepass",
+           "labelled", "previous_tokens", "selector_ce", "selector_predictions"]
