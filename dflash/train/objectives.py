@@ -112,8 +112,9 @@ def previous_tokens(labels: torch.Tensor, block_input_ids: torch.Tensor, block_s
     position 1, else the label one position earlier (IGNORE where there is none)."""
     Q = labels.shape[1]
     prev = torch.full_like(labels, IGNORE)
-    first = (torch.arange(1, Q, device=labels.device) % block_size) == 1
-    prev[:, 1:] = torch.where(first, block_input_ids[:, :-1], labels[:, :-1])
+    k = torch.arange(1, Q, device=labels.device) % block_size  # block positions 1..Q-1
+    prev[:, 1:] = torch.where(k == 1, block_input_ids[:, :-1], labels[:, :-1])
+    prev[:, 1:][:, k == 0] = IGNORE  # an anchor predicts nothing
     return prev
 
 
