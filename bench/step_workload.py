@@ -137,11 +137,25 @@ def step_flops(c: DrafterConfig, R: int, S: int, Q: int, n_labels: int, tiles: i
     attn = attn_fwd * (1 + 2.5)
     lm_head = 2 * (2 * n_labels * H * V)  # forward + input gradient; the head is frozen
     total = 3 * fwd_matmul + attn + lm_head
-    return {"total": total, "drafter_matmul_fwd": fwd_matmul, "drafter_matmul_train": 3 * fwd_matmul,
+    extra = dflash2_flops(c, R, Q, n_labels)
+    total += sum(extra.values())
+    return {"total": total, **extra, "drafter_matmul_fwd": fwd_matmul, "drafter_matmul_train": 3 * fwd_matmul,
             "fc_fwd": fc, "attention_train": attn, "attention_fwd": attn_fwd, "lm_head_train": lm_head,
             "live_tiles": tiles, "n_labels": n_labels,
             # fc has no input gradient (the context features are data): 3x overcounts it by one fc forward
             "total_strict": total - fc}
+
+
+def dflash2_flops(c, R: int, Q: int, n_labels: int) -> dict:
+    """A DFlash2 drafter's extra FLOPs (none for DFlash): its convolutions' kernel projections (trained like
+    the layers: 3x), the selector's head pre-pass (a forward of the frozen lm_head for the top-K) and the
+    selector itself (hidden projection and K scores per label; fwd + weight gradient, its inputs detached)."""
+    if not hasattr(c, "selector_rank"):
+        return {}
+    taps, G, r, K, H = c.conv_kernel_size, c.hidden_size // c.conv_group_size, c.selector_rank, c.selector_top_k, c.hidden_size
+    conv = c.num_hidden_layers * 2 * 2 * R * Q * H * (2 * taps * G)
+    return {"dflash2_conv_train": 3 * conv, "dflash2_head_prepass": 2 * n_labels * H * c.vocab_size,
+            "dflash2_selector_train": 2 * (2 * n_labels * H * r + 2 * n_labels * K * r)}
 
 
 FLOP_FORMULAS = {
@@ -154,4 +168,7 @@ FLOP_FORMULAS = {
                      "block positions with a label (lm_head is applied to those only)",
     "total_strict": "total minus one fc forward (fc needs no input gradient)",
     "mfu": "total / step time / 989e12",
+    "dflash2_conv_train": "--arch dflash2: 3 * layers * 2 convs * 2*R*Q*H*(2*taps*H/conv_group_size) (kernel_projection)",
+    "dflash2_head_prepass": "--arch dflash2: 2*n_labels*H*V (the top-K candidates: one more lm_head forward)",
+    "dflash2_selector_train": "--arch dflash2: 2 * (2*n_labels*H*rank + 2*n_labels*top_k*rank) (fwd + weight grad)",
 }

@@ -53,6 +53,10 @@ class Bench:
             num_target_layers=d["num_hidden_layers"], target_layer_ids=d["target_layer_ids"],
             mask_token_id=d["vocab_size"] - 1, block_size=args.block_size,
             layer_types=getattr(args, "layer_types", None), sliding_window=getattr(args, "sliding_window", None))
+        if getattr(args, "arch", "dflash") != "dflash":  # --arch dflash2: the released knobs (docs/DESIGN.md §11)
+            from dflash.dflash2 import with_arch
+
+            self.cfg = with_arch(self.cfg, args.arch)
         cuda = torch.device(device).type == "cuda"
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
         dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
@@ -63,7 +67,8 @@ class Bench:
         # The trainer's own step (dflash.train.step.TrainStep): model, compile, fused AdamW, clipping, loss.
         self.tcfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, lr=1e-4, weight_decay=0.0,
                                 betas=(0.9, 0.95), grad_clip=1.0, lm_head_chunk=args.lm_head_chunk,
-                                compile="on" if self.compiled else "off", loss_kernel="compiled")
+                                compile="on" if self.compiled else "off", loss_kernel="compiled",
+                                arch=getattr(args, "arch", "dflash"), loss=getattr(args, "loss", "ce"))
         with torch.device(device):  # random init straight on the GPU
             self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8)
         self.raw, self.opt = self.train_step.raw, self.train_step.optimizer
@@ -305,6 +310,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--lm-head-chunk", type=int, default=2048)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"], help="drafter (dflash2: $OUT/train_step_dflash2.json)")
+    ap.add_argument("--loss", default="ce", choices=["ce", "dpace"], help="position weights of the trainer's step")
     ap.add_argument("--profile", action="store_true", default=os.environ.get("BENCH_PROFILE") == "1",
                     help="also write a kernel-time profile of 3 steps to $OUT/train_profile_R1.txt")
     ap.add_argument("--rows-only", action="store_true", default=os.environ.get("BENCH_ROWS_ONLY") == "1",
@@ -322,7 +329,8 @@ def main() -> None:
     args.steps = args.steps or (3 if tiny else 20)
     args.batches = args.batches or (2 if tiny else 4)
     S, Q, k = (512, 256, 4) if tiny else (4096, 4096, 4)
-    res = Results("train_step", tiny=tiny, device=device, limit_s=limit)
+    res = Results("train_step" if args.arch == "dflash" else f"train_step_{args.arch}", tiny=tiny, device=device,
+                  limit_s=limit)
     t = time.perf_counter()
     bench = Bench(args, tiny, device)
     res.set("model_build_s", round(time.perf_counter() - t, 1))
