@@ -55,13 +55,34 @@ CONFIGS: dict[str, dict] = {
     "bb16384": {"block_budget": 16384},
     "peer_lr2e-3": {"lr": 2e-3, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999],
                     "weight_decay": 0.01, "min_lr_ratio": 0.0},
+    # session 10 (params.yaml's lr is 6e-4 since session 8: "base" and "bb8192" above now run at 6e-4)
+    "base_1500_lr2e-3": {"steps": 1500, "lr": 2e-3},  # setup b: against session 8's bb8192 (lr 2e-3)
+    "bb8192_lr2e-3": {"block_budget": 8192, "lr": 2e-3},
+    "base_3000": {"steps": 3000},  # the FLOPs of bb8192's 1000 steps
+    "bb8192_1000": {"block_budget": 8192, "steps": 1000},
+    "base_2000": {"steps": 2000},  # the FLOPs of the peer recipe's 500 steps
+    "ga2": {"grad_accum": 2},  # 2 micro-batches per step: loss normalised over the step (the default)
+    "ga2_micro": {"grad_accum": 2, "loss_norm": "micro_batch"},  # ... each micro-batch its own mean, averaged
+    "ga4": {"grad_accum": 4},
+    "ga4_micro": {"grad_accum": 4, "loss_norm": "micro_batch"},
 }
 
 
-def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
+class TimedOut(Exception):
+    pass
+
+
+def sh(cmd: list[str], log: Path, env: dict | None = None, timeout: float | None = None) -> float:
+    """Run cmd (its own process group, killed whole at `timeout`: TimedOut); its wall seconds."""
     t = time.perf_counter()
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise TimedOut(f"killed after {timeout:.0f}s") from None
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}:\n" + log.read_text()[-2000:])
     return time.perf_counter() - t
@@ -108,8 +129,19 @@ def run_one(job: dict) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     cfg_path = run.parent / f"{run.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(params))
-    wall = sh(dflash("train", "--config", str(cfg_path), "--overwrite"), run.parent / f"{run.name}.log")
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    partial, timeout = None, job.get("timeout")
+    if job.get("end_at"):
+        timeout = min(timeout or 1e9, job["end_at"] - time.time())
+    try:
+        wall = sh(dflash("train", "--config", str(cfg_path), "--overwrite"), run.parent / f"{run.name}.log",
+                  timeout=timeout)
+    except TimedOut as e:  # record the curve so far (the schedule had not ended: not a final tau)
+        wall, partial = timeout, str(e)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+            if line.strip().endswith("}")]
+    # The step on the device's timeline (end of the previous step to end of this one: idle gaps included),
+    # from its ctx tokens and rate; the median over steps after the first 10 is the steady-state step.
+    step_s = sorted(r["ctx_tokens"] / r["ctx_tokens_per_s"] for r in recs[10:] if r.get("ctx_tokens_per_s"))
     curve = [(r["step"], r["eval_tau"]) for r in recs if "eval_tau" in r]
     ctx = sum(r["ctx_tokens"] for r in recs)
     # block tokens of a step = its block-token rate x its interval (the interval is ctx tokens / ctx rate)
@@ -120,7 +152,28 @@ def run_one(job: dict) -> dict:
             "heldout_tau": curve[-1][1] if curve else None, "curve": curve, "train_tau_last": recs[-1]["tau"],
             "wall_s": round(wall, 1), "ctx_tokens": ctx, "block_tokens": round(blk),
             "samples": sum(r["samples"] for r in recs), "train_flops": train_flops(merged, target, ctx, blk),
-            "steps": recs[-1]["step"]}
+            "steps": recs[-1]["step"], "step_s_median": step_s[len(step_s) // 2] if step_s else None,
+            "step_s_sum": round(sum(step_s), 2), "partial": partial, "online": online(job, run) if not partial else None}
+
+
+def online(job: dict, run: Path) -> dict | None:
+    """Online tau of the run's final drafter: `dflash eval --prompts` (real speculative decoding against the
+    target, greedy, lossless-checked) on the setup's held-out conversations, when the job asks for it."""
+    if not job.get("online"):
+        return None
+    out = run / "online.json"
+    left = job["end_at"] - time.time() if job.get("end_at") else None
+    if left is not None and left < 20:
+        return {"error": "skipped: too little time left"}
+    try:
+        wall = sh(dflash("eval", "--run", str(run), "--prompts", job["heldout_prompts"], "--target", job["target"],
+                         "--max-samples", str(job["online"]), "--out", str(out), "--no-plots",
+                         "--device", "cuda:0" if job["gpus"] != "cpu:1" else "cpu"), run / "online.log", timeout=left)
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e)[-800:]}
+    r = json.loads(out.read_text())
+    return {"tau": r["online"]["tau"], "lossless": r["lossless"], "speedup": r.get("speedup"),
+            "prompts": job["online"], "wall_s": round(wall, 1)}
 
 
 def main() -> None:
@@ -138,6 +191,14 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recipe_out"))
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
+    ap.add_argument("--run-timeout-s", type=float, default=None, help="kill a run after this many seconds (its "
+                    "curve so far is kept, marked partial)")
+    ap.add_argument("--online-configs", default="", help="configs whose seed-0 runs also get online tau")
+    ap.add_argument("--online-samples", type=int, default=100, help="held-out prompts of the online eval")
+    ap.add_argument("--seed0-configs", default="", help="configs run with seed 0 only")
+    ap.add_argument("--run-suffix", default="", help="appended to each run's directory name")
+    ap.add_argument("--end-at", type=float, default=None, help="unix time: runs and online evals still going are "
+                    "killed then (training curves so far kept, marked partial)")
     args = ap.parse_args()
     import torch
 
@@ -163,16 +224,22 @@ def main() -> None:
                 stores_of[s["name"], tuple(layers)] = precompute(s, layers, work, "0" if gpus != "cpu:1" else "cpu")
                 print(f"stores {s['name']} {layers} after {time.perf_counter() - t0:.0f}s", flush=True)
             stores = stores_of[s["name"], tuple(layers)]
-            for seed in [int(x) for x in args.seeds.split(",")]:
+            for seed in [int(x) for x in args.seeds.split(",")][: 1 if c in args.seed0_configs.split(",") else None]:
                 jobs.append({"setup": s["name"], "name": c, "overrides": CONFIGS[c], "seed": seed, "layers": layers,
                              "stores": stores, "target": s["target"], "gpus": gpus, "steps": args.steps,
                              "eval_every": args.eval_every, "compile": args.compile,
-                             "run": str(work / s["name"] / "runs" / f"{c}_s{seed}")})
+                             "run": str(work / s["name"] / "runs" / f"{c}_s{seed}{args.run_suffix}"),
+                             "timeout": args.run_timeout_s,
+                             "end_at": args.end_at,
+                             "heldout_prompts": s["heldout"],
+                             "online": args.online_samples if seed == 0 and c in args.online_configs.split(",")
+                             else None})
     print(f"precompute done in {time.perf_counter() - t0:.0f}s; {len(jobs)} runs", flush=True)
     results = []
 
     def one(job):
-        if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
+        if (args.deadline_s and time.perf_counter() - t0 > args.deadline_s) or (args.end_at and
+                                                                                 args.end_at - time.time() < 30):
             print(json.dumps({"skipped": f"{job['setup']} {job['name']} s{job['seed']}"}), flush=True)
             return None
         try:
@@ -193,9 +260,28 @@ def main() -> None:
         plot(results, out / "recipe_tau_vs_flops.png")
 
 
-def plot(results: list[dict], path: Path) -> None:
+def shape_of(overrides: dict) -> tuple:
+    """What a step's time depends on (not lr, betas, ...): anchors, token and block budgets, accumulation."""
+    c = {**BASE, **overrides}
+    return (c["num_anchors"], c["token_budget"], c.get("block_budget") or c["token_budget"], c.get("grad_accum", 1),
+            c.get("rows_per_batch", 1))
+
+
+def step_seconds(timing_files: list[str]) -> dict:
+    """{shape: steady-state seconds per step} from runs measured alone on the device (--parallel 1)."""
+    out = {}
+    for f in timing_files:
+        for r in json.loads(Path(f).read_text())["runs"]:
+            if r and r.get("step_s_median"):
+                out[shape_of(r["overrides"])] = r["step_s_median"]
+    return out
+
+
+def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
     """Held-out tau against training FLOPs, per setup: every run's curve (its --eval-every points, FLOPs
-    taken proportional to the step), one colour per config, both seeds."""
+    taken proportional to the step), one colour per config, both seeds.  With `step_s` ({shape: seconds
+    per step measured alone}), against GPU-seconds instead: step x its shape's seconds per step (runs
+    whose shape was not timed are left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,9 +296,15 @@ def plot(results: list[dict], path: Path) -> None:
         for colour, c in zip(colours, configs):
             for i, r in enumerate(x for x in rs if x["config"] == c):
                 steps, taus = zip(*r["curve"])
-                flops = [r["train_flops"] * st / r["steps"] / 1e12 for st in steps]
-                ax.plot(flops, taus, "-o", ms=2.5, lw=1, color=colour, label=c if i == 0 else None)
-        ax.set_xlabel("drafter training TFLOPs")
+                if step_s is None:
+                    xs = [r["train_flops"] * st / r["steps"] / 1e12 for st in steps]
+                elif shape_of(r.get("overrides") or {}) in step_s:
+                    xs = [st * step_s[shape_of(r.get("overrides") or {})] for st in steps]
+                else:
+                    continue
+                ax.plot(xs, taus, "-o", ms=2.5, lw=1, color=colour, label=c if i == 0 else None)
+        ax.set_xlabel("drafter training TFLOPs" if step_s is None else
+                      "H200 GPU-seconds (steady-state step measured alone x steps)")
         ax.set_ylabel("held-out tau (offline)")
         ax.set_title(f"setup {s}")
         ax.grid(alpha=0.3)
@@ -221,14 +313,59 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_files(files: list[str], path: str) -> None:
-    """python bench/recipe_study.py --plot-from A.json B.json ... OUT.png"""
-    runs = [r for f in files for r in json.loads(Path(f).read_text())["runs"] if r]
-    plot(runs, Path(path))
+def plot_files(files: list[str], path: str, timing: list[str] | None = None) -> None:
+    """python bench/recipe_study.py --plot-from A.json B.json ... OUT.png
+    python bench/recipe_study.py --plot-gpu-s-from TIMING.json A.json B.json ... OUT.png"""
+    plot(load_runs(files), Path(path), step_seconds(timing) if timing else None)
 
+
+def load_runs(files: list[str]) -> list[dict]:
+    """The runs of recipe.json files.  Session 8's ran when params.yaml's lr was 2e-3: its configs without an
+    lr of their own are relabelled NAME@lr2e-3, and its lr6e-4 / bb8192_lr6e-4 are today's base / bb8192."""
+    runs = []
+    for f in files:
+        for r in json.loads(Path(f).read_text())["runs"]:
+            if not r:
+                continue
+            if "session8" in str(f):
+                r = dict(r)
+                if "lr" not in r.get("overrides", {}):
+                    r["config"] += "@lr2e-3"
+                r["config"] = {"lr6e-4": "base", "bb8192_lr6e-4": "bb8192"}.get(r["config"], r["config"])
+                r["session"] = 8
+            runs.append(r)
+    return runs
+
+
+def summary(files: list[str]) -> None:
+    """python bench/recipe_study.py --summary-from A.json ...: one markdown row per (setup, config): held-out
+    tau per seed and mean, steps, TFLOPs, samples, online tau (seed 0), steady-state s/step."""
+    rows: dict = {}
+    for r in load_runs(files):
+        if "error" not in r:
+            rows.setdefault((r["setup"], r["config"], r.get("session", 10)), []).append(r)
+    print("| setup | config | session | steps | held-out tau (s0 / s1) | mean | train TFLOPs | samples | online tau (s0) "
+          "| s/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (setup, config, session), rs in sorted(rows.items()):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        taus = [r["heldout_tau"] for r in rs if r.get("heldout_tau") is not None and not r.get("partial")]
+        on = next((r["online"] for r in rs if r.get("online") and "tau" in r["online"]), None)
+        part = " (partial: " + ", ".join(f"s{r['seed']} at step {r['steps']}" for r in rs if r.get("partial")) + ")" \
+            if any(r.get("partial") for r in rs) else ""
+        tau_s = f"{' / '.join(f'{t:.2f}' for t in taus)} | {sum(taus) / len(taus):.2f}" if taus else "- | -"
+        st = rs[0].get("step_s_median")
+        on_s = "-" if not on else f"{on['tau']:.2f}" + ("" if on["lossless"] else " NOT LOSSLESS")
+        st_s = f"{st * 1e3:.1f} ms" if st else "-"
+        print(f"| {setup} | {config}{part} | {session} | {rs[0]['steps']} | {tau_s} | {rs[0]['train_flops'] / 1e12:.1f} | "
+              f"{rs[0]['samples']} | {on_s} | {st_s} |")
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--plot-from":
+    if len(sys.argv) > 2 and sys.argv[1] == "--summary-from":
+        summary(sys.argv[2:])
+    elif len(sys.argv) > 2 and sys.argv[1] == "--plot-from":
         plot_files(sys.argv[2:-1], sys.argv[-1])
+    elif len(sys.argv) > 3 and sys.argv[1] == "--plot-gpu-s-from":
+        plot_files(sys.argv[3:-1], sys.argv[-1], [sys.argv[2]])
     else:
         main()
