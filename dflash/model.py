@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.target.files import engine_layer_problem  # noqa: F401  (re-exported: train and export ask it here)
+
 INIT_STD = 0.02
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 _LAYER_TYPES = {"full": FULL_ATTENTION, FULL_ATTENTION: FULL_ATTENTION,
@@ -225,29 +227,6 @@ class DrafterConfig:
             sliding_window=d["sliding_window"] if d.get("sliding_window") is not None else dc.get("swa_window_size"),
             extra={k: v for k, v in d.items() if k not in known},
         )
-
-
-def engine_layer_problem(target_layer_ids: list[int], num_target_layers: int) -> str | None:
-    """Why vLLM / SGLang could not serve a drafter reading these target layers, with what to pass
-    instead; None when they can (docs/DESIGN.md §2).  The engines capture the residual stream entering
-    layer i + 1 for DFlash id i and concatenate the captured layers in ascending order."""
-    from dflash.target.files import default_target_layers
-
-    ids, L = [int(i) for i in target_layer_ids], int(num_target_layers)
-    if L - 1 in ids:
-        usable = sorted({i for i in ids if i != L - 1})
-        alt = default_target_layers(L, len(ids))
-        if L - 1 in alt or len(set(alt)) != len(ids):
-            alt = usable or [max(L - 2, 0)]
-        return (f"target_layer_ids {ids} include the target's last layer {L - 1} (of 0..{L - 1}): vLLM and SGLang "
-                f"feed a DFlash drafter the residual stream entering layer i + 1, and no layer follows the last one, "
-                f"so this drafter could not be served. Precompute the store with --target-layers "
-                f"{','.join(map(str, alt))} (every id below {L - 1}) and train on that store.")
-    if ids != sorted(ids):
-        return (f"target_layer_ids {ids} are not in ascending order: vLLM and SGLang concatenate the captured "
-                f"layers in ascending order, so fc would get its inputs permuted. Precompute the store with "
-                f"--target-layers {','.join(map(str, sorted(ids)))} and train on that store.")
-    return None
 
 
 def layer_mask(mask, layer_type: str):

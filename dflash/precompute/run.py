@@ -35,7 +35,7 @@ from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part
 from dflash.target.capture import check_layers, load_tokenizer
-from dflash.target.files import default_target_layers, target_identity, tokenizer_hash
+from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
 
 CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
 
@@ -119,6 +119,9 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     else:  # a shallow target has fewer distinct evenly spaced layers than the drafter has layers
         layer_ids = sorted(set(default_target_layers(n_layers, cfg.num_draft_layers)))
     check_layers(layer_ids, n_layers, cfg.target)
+    problem = engine_layer_problem(layer_ids, n_layers)
+    if problem:  # a store train would refuse: say so before capturing it (docs/DESIGN.md §2)
+        raise ConfigError(f"--target-layers: {problem}")
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
     keys = _check_rows(cfg, ds, tokenizer)
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)

@@ -167,3 +167,24 @@ def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Ten
         else:
             raise TargetError(f"target {p}: no lm_head.weight in its safetensors and embeddings are not tied.")
     return embed, head
+
+
+def engine_layer_problem(target_layer_ids: list[int], num_target_layers: int) -> str | None:
+    """Why vLLM / SGLang could not serve a drafter reading these target layers, with what to pass
+    instead; None when they can (docs/DESIGN.md §2).  The engines capture the residual stream entering
+    layer i + 1 for DFlash id i and concatenate the captured layers in ascending order."""
+    ids, L = [int(i) for i in target_layer_ids], int(num_target_layers)
+    if L - 1 in ids:
+        usable = sorted({i for i in ids if i != L - 1})
+        alt = default_target_layers(L, len(ids))
+        if L - 1 in alt or len(set(alt)) != len(ids):
+            alt = usable or [max(L - 2, 0)]
+        return (f"target_layer_ids {ids} include the target's last layer {L - 1} (of 0..{L - 1}): vLLM and SGLang "
+                f"feed a DFlash drafter the residual stream entering layer i + 1, and no layer follows the last one, "
+                f"so this drafter could not be served. Precompute the store with --target-layers "
+                f"{','.join(map(str, alt))} (every id below {L - 1}) and train on that store.")
+    if ids != sorted(ids):
+        return (f"target_layer_ids {ids} are not in ascending order: vLLM and SGLang concatenate the captured "
+                f"layers in ascending order, so fc would get its inputs permuted. Precompute the store with "
+                f"--target-layers {','.join(map(str, sorted(ids)))} and train on that store.")
+    return None
