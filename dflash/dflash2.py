@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model import INIT_STD, DecoderLayer, DFlashDrafter, DrafterConfig, drafter_logits, state_dict_keys
+from dflash.model import INIT_STD, DecoderLayer, DFlashDrafter, DrafterConfig, RMSNorm, drafter_logits, state_dict_keys
 
 ARCHS = ("dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -140,7 +140,10 @@ class DFlashGroupedConv(nn.Module):
         self.taps, self.group_size, self.block_size = taps, group_size, block_size
         self.num_groups = hidden // group_size
         self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden))
-        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.num_groups, bias=False)
+        # Made without a random init (it is zeroed below): building a DFlash2 drafter draws from the RNG
+        # what the DFlash one of the same seed draws, so both start from the same backbone.
+        self.kernel_projection = nn.utils.skip_init(nn.Linear, hidden, 2 * taps * self.num_groups, bias=False,
+                                                    device=self.base_kernel.device)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -221,10 +224,22 @@ class DFlash2Drafter(DFlashDrafter):
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        super().init_weights(buffer_device)  # N(0, 0.02) linears, unit norms
+        """DFlashDrafter.init_weights on the backbone, drawing in its order (so a seed gives DFlash's
+        backbone), then the convolutions' identity and the selector's init."""
+        own = [m for m in self.modules() if isinstance(m, (DFlashGroupedConv, CandidateSelector))]
+        skip = {id(x) for m in own for x in m.modules()}
         for m in self.modules():
-            if isinstance(m, (DFlashGroupedConv, CandidateSelector)):
-                m.reset_parameters()
+            if id(m) in skip:
+                continue
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        self.rotary_emb.reset_buffers(buffer_device)
+        for m in own:
+            m.reset_parameters()
 
     def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
         s = self.config.input_embedding_scale
