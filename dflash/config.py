@@ -86,7 +86,8 @@ class TrainConfig:
                                           "store's.")
     layer_types: list[str] | None = opt(None, "Attention of each drafter layer, full or sliding, e.g. "
                                         "sliding,sliding,full (as vLLM / SGLang serve them: a sliding layer is "
-                                        "causal with --sliding-window); default all full.")
+                                        "causal with --sliding-window); default all full, except on a Qwen3.5/3.6 target: "
+                                        "sliding layers then one full, window 2048, as its published drafters.")
     sliding_window: int | None = opt(None, "Window of the sliding layers in tokens, the query's own included "
                                      "(a query at p sees keys p-W < j <= p).")
     # schedule

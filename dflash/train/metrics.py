@@ -75,7 +75,8 @@ class RunLogger:
         self.bar.write(
             f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
-            f"Q {setup.spec.q_shapes}, loss kernel {loss_kernel}"
+            f"Q {setup.spec.q_shapes}, loss kernel {loss_kernel}, drafter layers "
+            f"{','.join(t.split('_')[0] for t in setup.drafter_config.layer_types)} ({setup.layer_types_source})"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
             + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
                f"= {cfg.num_workers} workers + 3 x {cfg.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "

@@ -34,6 +34,7 @@ class Setup:
     mask_token_id: int
     mask_token_source: str
     eval_store: object = None  # held-out store for --eval-every
+    layer_types_source: str = "default: all full"  # where the drafter's layer types came from
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
@@ -52,6 +53,7 @@ class Setup:
             "train": to_dict(self.cfg),
             "drafter": self.drafter_config.to_hf_dict(),
             "mask_token": {"id": self.mask_token_id, "source": self.mask_token_source},
+            "layer_types_source": self.layer_types_source,
             "world_size": world,
             "store": {
                 "path": str(Path(self.cfg.store).resolve()),
@@ -225,10 +227,28 @@ def _ids_in_store(store, ids: set[int]) -> set[int]:
     return seen
 
 
-def _layer_types(cfg: TrainConfig) -> tuple[list[str] | None, int | None]:
+# The drafters published for Qwen3.5/3.6 (hybrid) targets: sliding-window layers, then one full layer
+# (Qwen3.6-27B's: four sliding, window 2048, one full; docs/DESIGN.md §4).
+HYBRID_QWEN_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_QWEN_WINDOW = 2048
+
+
+def _is_hybrid_qwen(target_cfg) -> bool:
+    text = target_cfg.get_text_config() if hasattr(target_cfg, "get_text_config") else target_cfg
+    return bool({getattr(target_cfg, "model_type", None), getattr(text, "model_type", None)} & set(HYBRID_QWEN_TYPES))
+
+
+def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, int | None, str]:
     """--layer-types / --sliding-window, checked: one of full/sliding per drafter layer, a window exactly
-    when some layer slides (docs/DESIGN.md §4)."""
+    when some layer slides (docs/DESIGN.md §4); unset on a Qwen3.5/3.6 target, the layout its published
+    drafters have.  Also says where the choice came from (the start-up line and RUN/config.json)."""
     types, window = cfg.layer_types, cfg.sliding_window
+    source = "--layer-types" if types is not None else "default: all full"
+    if types is None and target_cfg is not None and _is_hybrid_qwen(target_cfg) and cfg.num_layers > 1:
+        types = ["sliding"] * (cfg.num_layers - 1) + ["full"]
+        window = window or HYBRID_QWEN_WINDOW
+        source = (f"default for Qwen3.5/3.6 targets, as their published drafters: {cfg.num_layers - 1} sliding "
+                  f"(window {window}) then 1 full; --layer-types full{',full' * (cfg.num_layers - 1)} opts out")
     if types is not None:
         bad = [t for t in types if t not in ("full", "sliding")]
         if bad or len(types) != cfg.num_layers:
@@ -242,7 +262,7 @@ def _layer_types(cfg: TrainConfig) -> tuple[list[str] | None, int | None]:
     if window is not None and not sliding:
         raise ConfigError(f"--sliding-window {window} without a sliding layer in --layer-types does nothing; "
                           "pass --layer-types with sliding layers, or leave the window out.")
-    return types, window
+    return types, window, source
 
 
 def preflight(cfg: TrainConfig) -> Setup:
@@ -271,8 +291,10 @@ def preflight(cfg: TrainConfig) -> Setup:
                          target_layer_ids=store.target_layer_ids)
     vocab_rows = int(identity.get("vocab_size") or 0)
     mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store, growing=cfg.follow)
-    dcfg = DrafterConfig.from_target(target_config(cfg.target), cfg.num_layers, cfg.block_size,
-                                     list(store.target_layer_ids), mask_id, *_layer_types(cfg))
+    tcfg = target_config(cfg.target)
+    types, window, types_source = _layer_types(cfg, tcfg)
+    dcfg = DrafterConfig.from_target(tcfg, cfg.num_layers, cfg.block_size, list(store.target_layer_ids), mask_id,
+                                     types, window)
     from dflash.train.objectives import drafter_config_for
 
     dcfg = drafter_config_for(dcfg, cfg)  # --arch dflash2: a DFlash2Config (docs/DESIGN.md §11)
@@ -295,7 +317,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         kd=cfg.kd_weight > 0,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
-    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store)
+    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store, types_source)
 
 
 __all__ = ["Setup", "preflight", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]

@@ -114,11 +114,38 @@ def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
     ident = json.loads((store / "manifest.json").read_text())["target"]
     assert ident["num_hidden_layers"] == 4 and ident["hidden_size"] == 64
     out = tmp_path / "run"
-    launch_train(TrainConfig(store=str(store), target=str(d), out=str(out), gpus="cpu:1", block_size=4, num_layers=1,
+    launch_train(TrainConfig(store=str(store), target=str(d), out=str(out), gpus="cpu:1", block_size=4, num_layers=2,
                              token_budget=256, num_anchors=4, num_workers=1, compile="off", seed=0, steps=2,
                              save_every=2, warmup_steps=1))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and math.isfinite(rows[-1]["loss"])
+    # no --layer-types: a Qwen3.5/3.6 target gets its published drafters' layout, every other family all full
+    drafter = json.loads((out / "config.json").read_text())["drafter"]
+    if name.startswith("qwen3_5"):
+        assert drafter["layer_types"] == ["sliding_attention", "full_attention"] and drafter["sliding_window"] == 2048
+    else:
+        assert drafter["layer_types"] == ["full_attention", "full_attention"] and not drafter.get("use_sliding_window")
+
+
+@pytest.mark.parametrize("num_layers, given, window, want", [
+    (5, None, None, (["sliding"] * 4 + ["full"], 2048)),   # Qwen3.6-27B's published drafter
+    (3, None, 512, (["sliding", "sliding", "full"], 512)),  # the window is the user's if given
+    (1, None, None, (None, None)),                          # one layer stays full
+    (2, ["full", "full"], None, (["full", "full"], None)),  # --layer-types wins
+])
+def test_qwen3_5_targets_default_to_the_published_drafter_layout(num_layers, given, window, want):
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3Config
+
+    from dflash.config import TrainConfig
+    from dflash.train.preflight import _layer_types
+
+    cfg = TrainConfig(num_layers=num_layers, layer_types=given, sliding_window=window)
+    for target_cfg in (Qwen3_5Config(), Qwen3_5MoeConfig(), Qwen3_5Config().get_text_config()):
+        types, w, source = _layer_types(cfg, target_cfg)
+        assert (types, w) == want, type(target_cfg).__name__
+        assert ("Qwen3.5/3.6" in source) == (given is None and num_layers > 1)
+    plain = TrainConfig(num_layers=num_layers, layer_types=given)
+    assert _layer_types(plain, Qwen3Config())[:2] == ((given, None) if given else (None, None))
 
 
 def test_the_language_models_embedding_wins_over_other_embed_tokens(tmp_path):
