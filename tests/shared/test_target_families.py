@@ -125,6 +125,18 @@ def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
         assert drafter["layer_types"] == ["sliding_attention", "full_attention"] and drafter["sliding_window"] == 2048
     else:
         assert drafter["layer_types"] == ["full_attention", "full_attention"] and not drafter.get("use_sliding_window")
+    # what the engines would load: export --check, then the exported drafter decodes losslessly online
+    from dflash.config import ExportConfig
+    from dflash.evaluate.export import load_export, run_export
+    from dflash.evaluate.run import load_prompts, online_eval
+    from dflash.target.capture import load_target, load_tokenizer
+
+    assert run_export(ExportConfig(source=str(out), out=str(tmp_path / "export"), check=True, dtype="fp32"))["check"]["ok"]
+    target = load_target(d, torch.float32, CPU)
+    prompts = load_prompts(make_conversations_jsonl(tmp_path / "prompts.jsonl", n=1, seed=5, max_words=8),
+                           load_tokenizer(d))
+    r = online_eval(target, load_export(tmp_path / "export"), prompts, max_new_tokens=12, eos_ids=set(), progress=False)
+    assert r["lossless"] is True and r["new_tokens"] == 12
 
 
 @pytest.mark.parametrize("num_layers, given, window, want", [
