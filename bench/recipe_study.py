@@ -166,7 +166,10 @@ def online(job: dict, run: Path) -> dict | None:
     if left is not None and left < 20:
         return {"error": "skipped: too little time left"}
     try:
-        wall = sh(dflash("eval", "--run", str(run), "--prompts", job["heldout_prompts"], "--target", job["target"],
+        # --config: an empty one, or eval would also take params.yaml's eval.store (not there on the device:
+        # session 10's call lost its online evals to that)
+        wall = sh(dflash("eval", "--config", str(run.parent.parent.parent / "none.yaml"), "--run", str(run),
+                         "--prompts", job["heldout_prompts"], "--target", job["target"],
                          "--max-samples", str(job["online"]), "--out", str(out), "--no-plots",
                          "--device", "cuda:0" if job["gpus"] != "cpu:1" else "cpu"), run / "online.log", timeout=left)
     except Exception as e:  # noqa: BLE001
@@ -315,8 +318,12 @@ def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
 
 def plot_files(files: list[str], path: str, timing: list[str] | None = None) -> None:
     """python bench/recipe_study.py --plot-from A.json B.json ... OUT.png
-    python bench/recipe_study.py --plot-gpu-s-from TIMING.json A.json B.json ... OUT.png"""
-    plot(load_runs(files), Path(path), step_seconds(timing) if timing else None)
+    python bench/recipe_study.py --plot-gpu-s-from TIMING.json A.json B.json ... OUT.png
+    (RECIPE_PLOT_ONLY=base,peer,... keeps those configs only)"""
+    runs = load_runs(files)
+    if os.environ.get("RECIPE_PLOT_ONLY"):  # comma-separated config names (as relabelled by load_runs)
+        runs = [r for r in runs if r["config"] in os.environ["RECIPE_PLOT_ONLY"].split(",")]
+    plot(runs, Path(path), step_seconds(timing) if timing else None)
 
 
 def load_runs(files: list[str]) -> list[dict]:
