@@ -27,10 +27,19 @@ import torch
 from dflash.errors import TargetError
 
 
+class _Absent:
+    """Stands for a cache layer class this transformers lacks (5.17 has no DummyLayer nor linear-attention
+    layers): no layer is one."""
+
+
 def _classes():
+    from types import SimpleNamespace
+
     from transformers import cache_utils as cu
 
-    return cu
+    names = ("DummyLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer",
+             "DynamicSlidingWindowLayer", "DynamicLayer")
+    return SimpleNamespace(**{n: getattr(cu, n, _Absent) for n in names})
 
 
 class TargetCache:
