@@ -320,6 +320,16 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, where: str = "th
     return spans
 
 
+def check_renders(tokenizer, messages: list[dict], where: str = "this conversation") -> bool:
+    """What `render` could reject, without tokenizing: the chat template renders the conversation and its
+    assistant replies are found in the render.  True when some assistant text is there to supervise."""
+    try:
+        full = _template(tokenizer, messages)
+    except Exception as e:
+        raise DataError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e}).") from None
+    return any(e > s for s, e in assistant_spans(tokenizer, messages, full, where))
+
+
 def render(tokenizer, messages: list[dict], max_length: int, where: str = "this conversation") -> Rendered:
     """Token ids of the chat-template render and a 0/1 mask of the assistant's tokens, cut to max_length."""
     try:

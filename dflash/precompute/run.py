@@ -23,8 +23,9 @@ import traceback
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from dflash.chat import conversation_key, conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import check_renders, conversation_key, conversation_of, dataset_fingerprint, load_rows, render
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.locks import dir_lock
@@ -33,11 +34,12 @@ from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import supervise
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
-from dflash.store.parts import Part
-from dflash.target.capture import check_layers, load_tokenizer
+from dflash.store.parts import Part, held_keys, read_parts
+from dflash.target.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
 
 CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
+PREPASS_BAR_ROWS = 5000  # the row pre-pass shows a progress bar from this many rows
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -80,22 +82,48 @@ def _check_weights(target_dir: Path) -> None:
             raise TargetError(f"target weights {f} cannot be read ({e}); re-download or re-save the checkpoint.") from None
 
 
-def _check_rows(cfg: PrecomputeConfig, ds, tokenizer) -> list[bytes]:
-    """Every row has a known format; the first rows render; some row has something to supervise.
-    Returns each row's content key (what an append matches conversations on)."""
+def _held_keys(cfg: PrecomputeConfig, tok_hash: str) -> set[bytes]:
+    """The conversations an --append store already holds, rendered by this same tokenizer: the row
+    pre-pass skips them.  Empty whenever that is not certain (the store is then checked as new)."""
+    out = Path(cfg.out)
+    if not cfg.append or cfg.overwrite or not (out / MANIFEST).is_file():
+        return set()
+    try:
+        if read_manifest(out).get("tokenizer_hash") != tok_hash:
+            return set()
+        return held_keys(out, read_parts(out))
+    except DFlashError:  # a damaged store: precompute's own checks say so below
+        return set()
+
+
+def _check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset()) -> list[bytes]:
+    """Before the store exists: every row has a known format and renders through the chat template with
+    its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
+    are skipped), the first rows render in full, and some row has something to supervise.  Returns each
+    row's content key (what an append matches conversations on)."""
     has_assistant = 0
     rendered = 0
     supervised = False
     keys = []
+    bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
     for i, row in enumerate(ds):
         msgs = conversation_of(row, i, cfg.data)
-        keys.append(conversation_key(msgs))
-        if any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-            has_assistant += 1
-            if rendered < CHECK_RENDER_ROWS or not supervised:
-                r = render(tokenizer, msgs, cfg.max_length, where=f"dataset {cfg.data}, row {i}")
-                supervised = supervised or any(r.loss_mask)
-                rendered += 1
+        key = conversation_key(msgs)
+        keys.append(key)
+        bar.update(1)
+        if key in held or not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+            has_assistant += key in held
+            continue
+        has_assistant += 1
+        where = f"dataset {cfg.data}, row {i}"
+        if rendered < CHECK_RENDER_ROWS or not supervised:
+            r = render(tokenizer, msgs, cfg.max_length, where=where)
+            supervised = supervised or any(r.loss_mask)
+            rendered += 1
+        else:
+            check_renders(tokenizer, msgs, where)
+    bar.close()
+    supervised = supervised or bool(held)
     if not has_assistant or not supervised:
         raise DataError(
             f"no sample of dataset {cfg.data} has a supervised token: "
@@ -111,6 +139,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     _check_config(cfg, num_shards)
     identity = target_identity(cfg.target)
     _check_weights(Path(cfg.target))
+    check_config_matches_weights(cfg.target, cfg.trust_remote_code)
     tok_hash = tokenizer_hash(cfg.target)
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
     n_layers = int(identity["num_hidden_layers"] or 0)
@@ -123,7 +152,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     if problem:  # a store train would refuse: say so before capturing it (docs/DESIGN.md §2)
         raise ConfigError(f"--target-layers: {problem}")
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
-    keys = _check_rows(cfg, ds, tokenizer)
+    keys = _check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
         "target": identity,

@@ -65,6 +65,47 @@ def load_tokenizer(target_dir, trust_remote_code: bool = False):
     return tok
 
 
+def check_config_matches_weights(target_dir, trust_remote_code: bool = False) -> None:
+    """Load the checkpoint onto the meta device (the model's skeleton, no tensor data) through transformers'
+    own key mapping, so that a config.json that disagrees with the weights fails before a store exists:
+    tensors the config asks for that the files lack would be random-initialised, and tensors of another
+    shape would be re-initialised.  Unexpected tensors are fine (a VL checkpoint's vision tower, MTP heads)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    p = _check_dir(target_dir)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        _, info = AutoModelForCausalLM.from_pretrained(str(p), device_map="meta", output_loading_info=True,
+                                                       ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise TargetError(
+            f"cannot load target {p} as a causal LM ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "check that the directory holds a complete checkpoint (pass --trust-remote-code only if it needs its "
+            "own code)."
+        ) from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        transformers.logging.enable_progress_bar()
+    missing, mismatched = sorted(info.get("missing_keys") or []), list(info.get("mismatched_keys") or [])
+    if not missing and not mismatched:
+        return
+    said = []
+    if missing:
+        said.append(f"{len(missing)} tensor(s) the config asks for are not in the weights (e.g. {missing[0]})")
+    if mismatched:
+        name, in_file, in_config = mismatched[0][:3]
+        said.append(f"{len(mismatched)} tensor(s) have another shape in the weights (e.g. {name}: "
+                    f"{list(in_file)} in the files, {list(in_config)} by the config)")
+    raise TargetError(
+        f"target {p}: config.json disagrees with the checkpoint's weights: {'; '.join(said)}. Loading it would "
+        "random-initialise those tensors. The config was edited or belongs to another checkpoint: restore the "
+        "checkpoint's own config.json (or re-download the checkpoint), then rerun."
+    )
+
+
 def load_target(target_dir, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False):
     """An `AutoModelForCausalLM` in eval mode on `device`, without gradients."""
     from transformers import AutoModelForCausalLM

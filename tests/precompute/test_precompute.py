@@ -219,6 +219,12 @@ def _write(path: Path, rows) -> Path:
         ("unknown_format", r"row 1: unknown conversation format \(fields found: answer, question\)"),
         ("no_template", r"has no chat template"),
         ("no_assistant", r"no assistant turns"),
+        # found by the pre-pass, before a store exists, although the first rows render
+        ("late_template_reject", r"row 40: the chat template cannot render this conversation .*FORBIDDEN"),
+        ("config_more_layers", r"config.json disagrees with the checkpoint's weights: 22 tensor\(s\) the config "
+                               r"asks for are not in the weights \(e.g. model.layers.2.input_layernorm.weight\)"),
+        ("config_wider", r"config.json disagrees .* 6 tensor\(s\) have another shape in the weights \(e.g. "
+                         r"model.layers.\d.mlp.\w+_proj.weight: \[\d+, \d+\] in the files"),
     ],
 )
 def test_bad_input_fails_cleanly(bad, targets, case, expect):
@@ -250,6 +256,21 @@ def test_bad_input_fails_cleanly(bad, targets, case, expect):
         target, layers = no_tmpl, "0"
     elif case == "no_assistant":
         data = _write(d / "noasst.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3)
+    elif case == "late_template_reject":
+        target = make_tiny_target(d, arch="qwen3", name="picky", hidden_size=32, num_layers=2)
+        jinja = target / "chat_template.jinja"
+        jinja.write_text("{%- for m in messages %}{%- if 'FORBIDDEN' in m['content'] %}"
+                         "{{ raise_exception('FORBIDDEN is not allowed') }}{%- endif %}{%- endfor %}" + jinja.read_text())
+        many = make_conversations(60)
+        many[40]["messages"][-1]["content"] += " FORBIDDEN"
+        data, layers = _write(d / "late.jsonl", many), "0"
+    elif case in ("config_more_layers", "config_wider"):
+        target = make_tiny_target(d, arch="qwen3", name=case, hidden_size=32, num_layers=2)
+        cfg = json.loads((target / "config.json").read_text())
+        cfg.update(num_hidden_layers=4, layer_types=["full_attention"] * 4) if case == "config_more_layers" else \
+            cfg.update(intermediate_size=2 * cfg["intermediate_size"])
+        (target / "config.json").write_text(json.dumps(cfg))
+        layers = "0"
     store = d / f"store-{case}"
     out = _cli("--target", target, "--data", data, "--out", store, "--gpus", "cpu", "--target-layers", layers)
     assert out.startswith("error: ")
