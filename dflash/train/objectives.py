@@ -63,7 +63,7 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> 
 
 @dataclass
 class Prepass:
-    ce: torch.Tensor  # [N] fp32: cross-entropy of each labelled position (the label_index order)
+    ce: torch.Tensor | None  # [N] fp32: cross-entropy of each labelled position (label_index order), if asked
     unary: torch.Tensor | None  # [N, K] fp32: the selector's unary scores of the top-K, best first
     ids: torch.Tensor | None  # [N, K] int64
 
@@ -74,24 +74,27 @@ def labelled(labels: torch.Tensor, label_index: torch.Tensor | None) -> torch.Te
 
 
 @torch.no_grad()
-def head_prepass(hidden, lm_head, labels, sel, chunk: int = 2048, selector_of=None) -> Prepass:
-    """Per-token CE (and with `selector_of`, a DFlash2Drafter, its top-K candidates) of the labelled
-    positions `sel` of hidden [R, Q, H], through the frozen lm_head a chunk at a time."""
+def head_prepass(hidden, lm_head, labels, sel, chunk: int = 2048, selector_of=None, ce: bool = True) -> Prepass:
+    """Per-token CE (`ce`, for D-PACE) and with `selector_of`, a DFlash2Drafter, its top-K candidates, of the
+    labelled positions `sel` of hidden [R, Q, H], through the frozen lm_head a chunk at a time.  The top-K
+    is taken on the logits in the head's dtype, as the engines take it (bf16 on GPU)."""
     h = hidden.detach().reshape(-1, hidden.shape[-1]).index_select(0, sel)
     y = labels.reshape(-1).index_select(0, sel)
     n = h.shape[0]
-    ce = torch.empty(n, dtype=torch.float32, device=h.device)
+    out = torch.empty(n, dtype=torch.float32, device=h.device) if ce else None
     K = selector_of.config.selector_top_k if selector_of is not None else 0
     unary = torch.empty(n, K, dtype=torch.float32, device=h.device) if K else None
     ids = torch.empty(n, K, dtype=torch.long, device=h.device) if K else None
     with torch.autocast(device_type=h.device.type, enabled=False):
         for i in range(0, n, chunk):
-            logits = (h[i : i + chunk].to(lm_head.dtype) @ lm_head.t()).float()
-            ce[i : i + chunk] = torch.logsumexp(logits, -1) - logits.gather(1, y[i : i + chunk, None]).squeeze(1)
+            logits = h[i : i + chunk].to(lm_head.dtype) @ lm_head.t()
+            if ce:
+                x = logits.float()
+                out[i : i + chunk] = torch.logsumexp(x, -1) - x.gather(1, y[i : i + chunk, None]).squeeze(1)
             if K:
                 vals, ids[i : i + chunk] = torch.topk(logits, K, dim=-1)
                 unary[i : i + chunk] = selector_of.unary(vals)
-    return Prepass(ce, unary, ids)
+    return Prepass(out, unary, ids)
 
 
 def dpace_loss_weight(pre: Prepass, labels, loss_weight, sel, block_size: int, alpha: float) -> torch.Tensor:
@@ -153,7 +156,7 @@ def selector_predictions(drafter, hidden, lm_head, labels, block_input_ids, bloc
     """[R, Q] the DFlash2 drafter's proposals with teacher-forced predecessors (-1 where no label).  Up to
     the first miss they are the served greedy walk's, so the acceptance length they give is the served one."""
     sel = labelled(labels, None)
-    pre = head_prepass(hidden, lm_head, labels, sel, chunk, selector_of=drafter)
+    pre = head_prepass(hidden, lm_head, labels, sel, chunk, selector_of=drafter, ce=False)
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
     prev = previous_tokens(labels, block_input_ids, block_size).reshape(-1).index_select(0, sel)
     y = labels.reshape(-1).index_select(0, sel)

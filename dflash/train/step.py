@@ -231,7 +231,8 @@ class TrainStep:
         pre = sel = None
         if cfg.loss == "dpace" or dflash2:
             sel = obj.labelled(labels, m.get("label_index"))
-            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.lm_head_chunk, self.raw if dflash2 else None)
+            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.lm_head_chunk, self.raw if dflash2 else None,
+                                   ce=cfg.loss == "dpace")
         if cfg.loss == "dpace":
             weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.block_size, cfg.dpace_alpha)
         out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
