@@ -10,7 +10,9 @@ code, reading the drafter's weights by their exported names:
   logits, times output_multiplier, then cap * tanh(x / cap));
 - vllm `vllm/model_executor/models/qwen3_dflash.py`: the context K/V (`precompute_and_store_context_kv`:
   hidden_norm, each layer's k/v rows of qkv_proj, k_norm, RoPE), q/k/v split of the stacked qkv_proj;
-- sgl-project/SpecForge `specforge/modeling/draft/dflash2.py` (`CandidateSelector.greedy_path`): the walk.
+- the walk: SGLang's `python/sglang/srt/models/dflash.py` (`CandidateSelector.sample_path`, greedy rows:
+  argmax of slot 0, then the argmax of the row of the previous choice) and sgl-project/SpecForge
+  `specforge/modeling/draft/dflash2.py` (`CandidateSelector.greedy_path`).
 """
 
 from __future__ import annotations
