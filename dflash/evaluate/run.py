@@ -129,8 +129,15 @@ def _target_of(cfg: EvalConfig, train_config: dict, ckpt: Path) -> str:
     """--target, else the run's: its path as given to `dflash train`, else the store's resolved one."""
     target = cfg.target
     if not target:
+        from dflash.paths import from_record
+
         given = (train_config.get("train") or train_config).get("target")
-        resolved = ((train_config.get("store") or {}).get("target") or {}).get("path")
+        # the run's records hold the store relative to the run, and the store its target relative to itself
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+        store = train_config.get("store") or {}
+        store_dir = from_record(store.get("path"), run)
+        resolved = from_record((store.get("target") or {}).get("path"), store_dir) if store_dir else None
+        resolved = str(resolved) if resolved else None
         target = next((t for t in (given, resolved) if t and Path(t).is_dir()), given or resolved)
     if not target:
         raise ConfigError(

@@ -17,6 +17,7 @@ import numpy as np
 
 from dflash.config import PrecomputeConfig
 from dflash.errors import ConfigError, StoreError
+from dflash.paths import from_record, portable
 from dflash.store import parts as P
 from dflash.store import read_manifest
 from dflash.store.manifest import MANIFEST
@@ -55,7 +56,7 @@ def unfinished(out: Path, parts: list[P.Part]) -> list[P.Part]:
 
 
 def _dataset_info(cfg: PrecomputeConfig, counts: dict) -> dict:
-    return {"dataset": str(Path(cfg.data).resolve()), "split": cfg.split, "max_samples": cfg.max_samples,
+    return {"dataset": portable(cfg.data, cfg.out), "split": cfg.split, "max_samples": cfg.max_samples,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **counts}
 
 
@@ -79,9 +80,10 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
     for p in todo:  # a crashed run's part is finished first, from its own dataset
         if p.dataset_fingerprint != rows.fingerprint:
             raise StoreError(
-                f"store {out}: part {p.index} (from {p.info.get('dataset')}, {p.summary().get('new', '?')} "
-                f"conversations) was interrupted before it finished. Finish it first by rerunning `dflash "
-                f"precompute --append --data {p.info.get('dataset')}` with the rest of that run's options, "
+                f"store {out}: part {p.index} (from {from_record(p.info.get('dataset'), out)}, "
+                f"{p.summary().get('new', '?')} conversations) was interrupted before it finished. Finish it first "
+                f"by rerunning `dflash precompute --append --data {from_record(p.info.get('dataset'), out)}` with "
+                "the rest of that run's options, "
                 "then append this dataset."
             )
         if p.num_shards != num_shards:
@@ -93,7 +95,7 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
         if all(p.dataset_fingerprint != rows.fingerprint for p in parts):
             raise StoreError(
                 f"store {out} was written from another dataset than {cfg.data} (its parts: "
-                f"{', '.join(str(p.info.get('dataset')) for p in parts)}). To add the conversations of a grown "
+                f"{', '.join(str(from_record(p.info.get('dataset'), out)) for p in parts)}). To add the conversations of a grown "
                 "or new dataset to it, pass --append; to start the store over, pass --overwrite; or choose "
                 "another --out."
             )

@@ -29,6 +29,7 @@ from dflash.chat import check_renders, conversation_key, conversation_of, datase
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.errors import ConfigError, DataError, DFlashError, TargetError
 from dflash.locks import dir_lock
+from dflash.paths import portable
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import supervise
@@ -155,11 +156,11 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     keys = _check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
-        "target": identity,
+        "target": {**identity, "path": portable(cfg.target, cfg.out)},
         "tokenizer_hash": tok_hash,
         "dataset_fingerprint": fingerprint,
         "content_keys": True,
-        "dataset": {"path": str(Path(cfg.data).resolve()), "split": cfg.split, "max_samples": cfg.max_samples, "num_rows": len(ds)},
+        "dataset": {"path": portable(cfg.data, cfg.out), "split": cfg.split, "max_samples": cfg.max_samples, "num_rows": len(ds)},
         "target_layer_ids": layer_ids,
         "hidden_dtype": cfg.hidden_dtype,
         "topk": cfg.topk,

@@ -18,6 +18,7 @@ import torch
 
 from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
+from dflash.paths import portable
 from dflash.train.epochs import wait_for_manifest
 from dflash.train.loader import LoaderSpec
 
@@ -56,7 +57,7 @@ class Setup:
             "layer_types_source": self.layer_types_source,
             "world_size": world,
             "store": {
-                "path": str(Path(self.cfg.store).resolve()),
+                "path": portable(self.cfg.store, self.cfg.out),  # relative to the run directory
                 "samples": len(self.store),
                 **{k: m.get(k) for k in ("format_version", "target", "tokenizer_hash", "dataset_fingerprint",
                                          "target_layer_ids", "hidden_dtype", "topk", "max_length")},
