@@ -12,7 +12,8 @@ refusal's message; the flock alone decides who holds it.  A clean release delete
 acquirer that locked a file deleted meanwhile retries on the new one).
 
 The descriptor is not inheritable (PEP 446): spawned children (shard processes, training processes)
-do not hold the lock; the command that took it holds it for the whole run.
+do not hold the lock; the command that took it holds it for the whole run, and they die with it
+(`spawned.die_with_parent`), so a killed launcher never leaves a process writing what it locked.
 
 flock is per host.  Across machines it only excludes where the shared filesystem implements it (NFSv4,
 Lustre with `-o flock`, CephFS, GPFS do; NFSv3 without lockd, some FUSE and object-store mounts do

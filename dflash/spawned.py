@@ -44,4 +44,22 @@ def supervise(procs: dict, queue, on_message=None) -> tuple | None:
     return failure
 
 
-__all__ = ["supervise"]
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Make this spawned process end when its parent (the command that started it, which holds the
+    stage's lock, dflash/locks.py) dies, even by SIGKILL: the kernel sends this process SIGKILL then
+    (Linux `PR_SET_PDEATHSIG`).  A killed launcher thus never leaves processes writing a run or store
+    whose lock it released.  If the parent is no longer `parent_pid` (it died already), exit now.
+    Elsewhere, a no-op."""
+    import os
+    import signal
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if parent_pid is not None and os.getppid() != parent_pid:  # died before the call above took effect
+        os._exit(1)
+
+
+__all__ = ["supervise", "die_with_parent"]

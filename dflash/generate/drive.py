@@ -9,6 +9,7 @@ is one batch of requests.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -19,7 +20,7 @@ from dflash.errors import DFlashError, GenerateError
 from dflash.generate.journal import Journal
 from dflash.generate.local import Request
 from dflash.generate.rows import Plan, apply_response, prompt_messages, write_back
-from dflash.spawned import supervise
+from dflash.spawned import die_with_parent, supervise
 
 
 def make_engine(cfg, device: str | None):
@@ -114,7 +115,8 @@ def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -
         bar.close()
 
 
-def _worker(cfg, work, rows, todo, shard: int, device: str, queue) -> None:
+def _worker(cfg, work, rows, todo, shard: int, device: str, queue, parent_pid: int) -> None:
+    die_with_parent(parent_pid)  # a killed `dflash generate` leaves no process appending to its journal
     try:
         engine = make_engine(cfg, device)
         journal = Journal(work, shard)
@@ -137,7 +139,7 @@ def _spawn(cfg, work, rows, todo, devices: list[str], bar: Bar) -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     n = len(devices)
-    procs = {k: ctx.Process(target=_worker, args=(cfg, work, rows, todo[k::n], k, d, queue))
+    procs = {k: ctx.Process(target=_worker, args=(cfg, work, rows, todo[k::n], k, d, queue, os.getpid()))
              for k, d in enumerate(devices)}
     for p in procs.values():
         p.start()

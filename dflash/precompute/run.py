@@ -32,7 +32,7 @@ from dflash.locks import dir_lock
 from dflash.paths import portable
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
-from dflash.spawned import supervise
+from dflash.spawned import die_with_parent, supervise
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
@@ -207,6 +207,8 @@ def _devices(gpus: str, n: int, local_offset: int | None = None) -> list[str]:
 
 def _shard_entry(job: ShardJob, queue) -> None:
     """Body of a spawned shard process: report stats or the error to the launcher."""
+    if job.parent_pid is not None:
+        die_with_parent(job.parent_pid)  # the launcher holds the store's lock: no writes without it
     try:
         queue.put(("ok", job.shard, run_shard(job)))
     except DFlashError as e:

@@ -80,9 +80,12 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str) -> None:
+def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str, launcher_pid: int) -> None:
     """Entry point of one launched process (module level: it is pickled to spawned processes)."""
+    from dflash.spawned import die_with_parent
     from dflash.train.trainer import run_training
+
+    die_with_parent(launcher_pid)  # the launcher holds the run lock: no training without it
 
     local_rank = int(os.environ["LOCAL_RANK"])
     cfg = TrainConfig(**{**cfg_dict, "betas": tuple(cfg_dict["betas"])})
@@ -182,7 +185,7 @@ def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
     cfg_dict = dataclasses.asdict(cfg)
     with tempfile.TemporaryDirectory(prefix="dflash-launch-") as error_dir:
         try:
-            elastic_launch(launch_cfg, _worker)(cfg_dict, devices.kind, devices.ids, error_dir)
+            elastic_launch(launch_cfg, _worker)(cfg_dict, devices.kind, devices.ids, error_dir, os.getpid())
         except ChildFailedError:
             messages = sorted(Path(error_dir).glob("rank*.txt"))
             if messages:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing as mp
+import os
 
 import numpy as np
 import torch
@@ -249,6 +250,9 @@ def steps_per_epoch(dataset: PackedDataset, world: int, accum: int, epoch: int =
 
 
 def _worker_init(_):
+    from dflash.spawned import die_with_parent
+
+    die_with_parent(os.getppid())  # the forkserver, which dies with the trainer (train/forkserver_guard.py)
     torch.set_num_threads(1)  # workers do light numpy work; leave the cores to the training process
 
 
@@ -286,7 +290,7 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
     if slots is not None:
         sampler = _Numbered(sampler)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "dflash.train.loader"])
+    ctx.set_forkserver_preload(["torch", "numpy", "dflash.train.loader", "dflash.train.forkserver_guard"])
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,

@@ -201,6 +201,33 @@ def test_second_train_resume_and_overwrite_are_refused_while_one_trains(tmp_path
     assert not lock_path(run).exists()
 
 
+@pytest.mark.slow
+def test_killing_only_the_launcher_stops_its_training_processes(tmp_path, tiny_store):
+    """`dflash train --gpus cpu:2` holds the run lock in the launcher; SIGKILL of the launcher alone (not
+    its process group) frees the lock, so its two training processes must end with it, not train on."""
+    from processes import alive, descendants
+
+    run = tmp_path / "run"
+    cfg = _train_cfg(tiny_store, run, steps=100000, gpus="cpu:2")
+    launcher = subprocess.Popen(["nice", "-n", "10", *_train_args(cfg, tmp_path / "p.yaml")], env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_holder(run, launcher, timeout=240, also=lambda: (run / "metrics.jsonl").is_file())
+        trainers = [q for q in descendants(launcher.pid) if b"spawn_main" in Path(f"/proc/{q}/cmdline").read_bytes()
+                    and Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(launcher.pid)]
+        assert len(trainers) == 2, trainers  # the two training processes, children of the launcher
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        t0 = time.time()
+        while [q for q in trainers if alive(q)] and time.time() - t0 < 30:
+            time.sleep(0.05)
+        assert not [q for q in trainers if alive(q)], "training processes outlived their launcher and its lock"
+        with dir_lock(run, "run directory"):  # free: nobody trains this run any more
+            pass
+    finally:
+        _kill_group(launcher)
+
+
 def test_train_overwrite_deletes_only_a_run_or_an_empty_directory(tmp_path, tiny_store):
     from dflash.train.launch import launch_train
 
