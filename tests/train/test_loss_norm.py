@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_acceptance_semantics import B, MASK_ID, H, V, dataset
+from test_acceptance_semantics import MASK_ID, B, H, V, dataset
 
 from dflash.config import TrainConfig
 from dflash.model import DrafterConfig
