@@ -109,6 +109,8 @@ class TrainConfig:
                               "docs/BENCHMARKS.md).")
     num_anchors: int = opt(64, "Anchors (blocks) drawn per sample per epoch, at most.")
     num_workers: int = opt(2, "DataLoader worker processes per training process (masks are built there).")
+    skip_damaged: bool = opt(False, "Skip a sample whose stored bytes fail their checksums (each one named on "
+                             "stderr, counted as damaged_skipped in metrics.jsonl) instead of stopping the run.")
     balance_steps: bool = opt(True, "Give the processes of a step micro-batches of similar cost (else a random "
                               "order).")
     batch_slots: bool = opt(True, "Workers hand over context features in reusable shared, page-locked slots, "

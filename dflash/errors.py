@@ -41,6 +41,14 @@ class StoreError(DFlashError):
     """A store that is missing, corrupt or does not match what the caller needs."""
 
 
+class DamagedSampleError(StoreError):
+    """One sample whose bytes fail their checksum (`train --skip-damaged` may skip it and count it)."""
+
+    def __init__(self, message: str, shard: str = "", sample_id: int = -1, field: str = ""):
+        super().__init__(message)
+        self.shard, self.sample_id, self.field = shard, sample_id, field
+
+
 class GenerateError(DFlashError):
     """`dflash generate`: a server that cannot be reached or refuses, or an output that cannot be written."""
 

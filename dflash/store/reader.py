@@ -25,7 +25,7 @@ import xxhash
 import zarr
 from zarr.storage import LocalStore
 
-from dflash.errors import StoreError
+from dflash.errors import DamagedSampleError, StoreError
 from dflash.store import layout
 from dflash.store.manifest import read_manifest, shard_name
 
@@ -325,13 +325,14 @@ class Store:
             raise self._mismatch(i, name)
         return rows
 
-    def _mismatch(self, i: int, name: str) -> StoreError:
+    def _mismatch(self, i: int, name: str) -> DamagedSampleError:
         shard = shard_name(int(self._shard[i]))
-        return StoreError(
+        return DamagedSampleError(
             f"store {self.path}: sample {int(self._ids[i])} in {shard} is damaged: its {name} rows do not match "
             "the checksum in the index (bytes changed on disk, or a Zarr chunk file is missing and read back as "
             f"zeros). Run `dflash verify {self.path}` to list every damaged sample, then re-run `dflash "
-            "precompute` into a new store (another --out) and use that one."
+            "precompute` into a new store (another --out) and use that one (or train with --skip-damaged to "
+            "skip and count such samples).", shard, int(self._ids[i]), name
         )
 
     def read(self, sample_id: int, fields=None, verify: bool | None = None) -> dict[str, torch.Tensor]:

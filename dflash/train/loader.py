@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import sys
 
 import numpy as np
 import torch
 
 from dflash import masks
-from dflash.errors import DataError
+from dflash.errors import DamagedSampleError, DataError
 from dflash.train.loss import IGNORE, position_weights
 from dflash.train.plan import (  # (re-exported below)
     EpochPlan,
@@ -106,6 +107,16 @@ class PackedDataset(torch.utils.data.Dataset):
         epoch, g, *seq = key
         return self.build(epoch, self.plan(epoch).batches[g], g, seq=seq[0] if seq else None)
 
+    def _sample_or_skip(self, idx: int, epoch: int) -> dict | None:
+        """_sample, or None for a damaged sample under --skip-damaged (said on stderr, counted in the batch)."""
+        try:
+            return self._sample(idx, epoch)
+        except DamagedSampleError as e:
+            if not self.spec.skip_damaged:
+                raise
+            _skipped(e)
+            return None
+
     def _sample(self, idx: int, epoch: int) -> dict:
         spec = self.spec
         sid = int(self.sample_ids[idx])
@@ -130,13 +141,15 @@ class PackedDataset(torch.utils.data.Dataset):
     def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> dict:
         spec, B = self.spec, self.spec.block_size
         R = spec.rows_per_batch
-        samples = [[self._sample(int(i), epoch) for i in row] for row in rows]
-        S = fit_shape(max(sum(s["T"] for s in row) for row in samples), spec.s_shapes)
+        read = [[self._sample_or_skip(int(i), epoch) for i in row] for row in rows]
+        damaged = sum(s is None for row in read for s in row)
+        samples = [[s for s in row if s is not None] for row in read]
+        S = fit_shape(max(1, max(sum(s["T"] for s in row) for row in samples)), spec.s_shapes)
         Q = fit_shape(max(1, max(sum(len(s["anchors"]) for s in row) for row in samples) * B), spec.q_shapes)
-        first = samples[0][0]["hidden"]
+        first = next((row[0]["hidden"] for row in samples if row), None)
         LH = first.shape[-1] if first is not None else self.store.hidden_size * self.store.num_layers
         hidden_dtype = first.dtype if first is not None else torch.bfloat16
-        K = samples[0][0]["topk_ids"].shape[-1] if spec.kd else 0
+        K = next((row[0]["topk_ids"].shape[-1] for row in samples if row), 0) if spec.kd else 0
         slot = None
         if (seq is not None and self.slots is not None and hidden_dtype == torch.bfloat16
                 and self.slots.fits((R, S, LH), hidden_dtype)):
@@ -159,10 +172,18 @@ class PackedDataset(torch.utils.data.Dataset):
             row = samples[r] if r < len(samples) else []  # the last micro-batch may have fewer rows
             c0, q0 = 0, 0
             starts, lens, block_sample, block_anchor = [], [], [], []
-            for j, s in enumerate(row):
+            for s in row:
                 T, n = s["T"], len(s["labels"])
                 if s["hidden"] is None:
-                    self.store.read_hidden_into(s["sid"], b["ctx_hidden"][r, c0 : c0 + T])
+                    try:
+                        self.store.read_hidden_into(s["sid"], b["ctx_hidden"][r, c0 : c0 + T])
+                    except DamagedSampleError as e:
+                        if not spec.skip_damaged:
+                            raise
+                        _skipped(e)
+                        s["skipped"] = True
+                        damaged += 1
+                        continue
                 else:
                     b["ctx_hidden"][r, c0 : c0 + T] = s["hidden"]
                 b["ctx_positions"][r, c0 : c0 + T] = torch.arange(T)
@@ -174,9 +195,9 @@ class PackedDataset(torch.utils.data.Dataset):
                 if spec.kd:
                     b["topk_ids"][r, q0 : q0 + n] = s["topk_ids"].long()
                     b["topk_logprobs"][r, q0 : q0 + n] = s["topk_logprobs"].float()
+                block_sample += [len(starts)] * len(s["anchors"])
                 starts.append(c0)
                 lens.append(T)
-                block_sample += [j] * len(s["anchors"])
                 block_anchor += s["anchors"].tolist()
                 c0 += T
                 q0 += n
@@ -187,9 +208,10 @@ class PackedDataset(torch.utils.data.Dataset):
         # made here, on the CPU, so the loss needs no nonzero() (a device-to-host sync) in the step
         b["label_index"] = (b["labels"].reshape(-1) != IGNORE).nonzero().squeeze(1)
         b["loss_weight_sum"] = float(b["loss_weight"].double().sum())  # the step's loss denominator, host-side
-        flat = [s for row in samples for s in row]
+        flat = [s for row in samples for s in row if not s.get("skipped")]
         b["sample_ids"] = torch.tensor([s["sid"] for s in flat], dtype=torch.long)
         b["num_samples"] = len(flat)
+        b["num_damaged"] = damaged
         b["num_ctx_tokens"] = sum(s["T"] for s in flat)
         b["num_block_tokens"] = sum(len(s["labels"]) for s in flat)
         b["epoch"], b["index"] = epoch, g
@@ -247,6 +269,12 @@ class RankSampler(torch.utils.data.Sampler):
 
 def steps_per_epoch(dataset: PackedDataset, world: int, accum: int, epoch: int = 0) -> int:
     return len(dataset.plan(epoch)) // (world * accum)
+
+
+def _skipped(e: DamagedSampleError) -> None:
+    """--skip-damaged: one line per skipped sample, from the worker that read it (the step counts it)."""
+    print(f"dflash train: skipping damaged sample {e.sample_id} in {e.shard} ({e.field} fails its checksum; "
+          "`dflash verify` lists them all)", file=sys.stderr, flush=True)
 
 
 def _worker_init(_):

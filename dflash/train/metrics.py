@@ -44,6 +44,7 @@ def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.d
         "ctx_tokens_per_s": s.ctx_tokens / dt,
         "block_tokens_per_s": s.block_tokens / dt,
         "samples": int(s.samples),
+        "damaged_skipped": int(s.damaged),  # samples --skip-damaged left out of this step (all processes)
         "data_wait_frac": p.data_wait / p.dt,  # both measured on the host
         "gc_frac": p.gc / p.dt,  # Python garbage collection's share of the host's step
         # the host's step by phase (dflash.train.step.HOST_PHASES): launching fwd / loss / bwd / opt, and waiting for

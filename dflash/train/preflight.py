@@ -316,6 +316,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
+        skip_damaged=cfg.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
     return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store, types_source)

@@ -51,11 +51,13 @@ class StepStats:
     ctx_tokens: float
     block_tokens: float
     samples: float
+    damaged: float  # samples --skip-damaged left out (their checksums failed)
     correct: list[float]  # per block position 0..B-1: greedy predictions equal to the label
     valid: list[float]  # per block position: labels
     grad_norm: float
 
-    SCALARS = ("ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks", "ctx_tokens", "block_tokens", "samples")
+    SCALARS = ("ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks", "ctx_tokens", "block_tokens", "samples",
+               "damaged")
 
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> torch.Tensor:
@@ -63,7 +65,7 @@ class StepStats:
 
     @staticmethod
     def add(vec: torch.Tensor, out, counts: torch.Tensor) -> None:
-        """Add one micro-batch's loss output and (ctx tokens, block tokens, samples) counts, in place."""
+        """Add one micro-batch's loss output and (ctx tokens, block tokens, samples, damaged) counts, in place."""
         vec += torch.cat([
             torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                          out.tau_sum.double(), out.num_blocks.double()]),
@@ -185,8 +187,8 @@ class TrainStep:
             if i == 0 and prefetch:
                 # The next step's host-to-device copies overlap this step's compute.
                 feeder.prefetch()
-            counts = on_device(torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"]],
-                                            dtype=torch.float64), device)
+            counts = on_device(torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"],
+                                             m.get("num_damaged", 0)], dtype=torch.float64), device)
             StepStats.add(stats, out, counts)
         t_opt = time.perf_counter()
         grad_norm = clip(self.raw, self.optimizer, cfg, self.world)

@@ -334,3 +334,28 @@ def test_training_on_a_damaged_store_stops_with_one_message(store, tiny_store, t
     err = r.output[r.output.index("error: "):]  # after the progress bar
     assert err.startswith(f"error: store {store}: sample ") and f"in {SHARD} is damaged: its hidden rows" in err
     assert f"dflash verify {store}" in err and "Traceback" not in r.output
+
+
+def test_skip_damaged_trains_on_and_counts_the_damaged_sample(store, tiny_store, tmp_path):
+    """`--skip-damaged`: the one sample whose hidden bytes changed is left out of its batch, named on
+    stderr and counted in metrics.jsonl; every other sample of the epoch is trained on."""
+    import subprocess
+    import sys
+
+    target, _, _ = tiny_store
+    s0 = open_store(store)
+    token = 700
+    _flip(store / SHARD / "hidden" / "c" / "0" / "0", token * s0.hidden_size * s0.num_layers * 2 + 3)
+    sid = _sample_at_token(s0, token)
+    (tmp_path / "params.yaml").write_text("train: {}\n")
+    args = [sys.executable, "-m", "dflash.cli", "train", "--config", str(tmp_path / "params.yaml"), "--store",
+            str(store), "--target", str(target), "--out", str(tmp_path / "run"), "--gpus", "cpu:1", "--epochs", "1",
+            "--block-size", "4", "--num-layers", "1", "--token-budget", "256", "--num-workers", "1",
+            "--compile", "off", "--save-every", "0", "--skip-damaged"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"skipping damaged sample {sid} in {SHARD} (hidden fails its checksum" in p.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["damaged_skipped"] for r in rows) == 1
+    assert sum(r["samples"] for r in rows) == len(s0) - 1  # one epoch: every other sample once

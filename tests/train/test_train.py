@@ -319,9 +319,10 @@ def test_step_rates_use_the_device_timeline_when_known():
     from dflash.train.trainer import PendingStep, StepStats
 
     cfg = TrainConfig(block_size=4)
-    vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
+    vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0, 1.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
     stats = StepStats.from_vector(vec, 4)
-    assert stats.samples == 5.0 and stats.valid == [0.0, 2.0, 2.0, 1.0] and stats.grad_norm == 0.5
+    assert stats.samples == 5.0 and stats.damaged == 1.0 and stats.valid == [0.0, 2.0, 2.0, 1.0]
+    assert stats.grad_norm == 0.5
     p = PendingStep(stats=None, event=None, step=7, epoch=0, epoch_samples=40, lr=1e-3, dt=0.5, data_wait=0.05,
                     gc=0.0, recompiles=0, host={"bwd": 0.2, "sync": 0.1})
     host = step_record(p, stats, None, cfg, torch.device("cpu"), 1)
