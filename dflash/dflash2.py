@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model import INIT_STD, DecoderLayer, DFlashDrafter, DrafterConfig, RMSNorm, drafter_logits, state_dict_keys
+from dflash.model import (
+    INIT_STD,
+    DecoderLayer,
+    DFlashDrafter,
+    DrafterConfig,
+    drafter_logits,
+    init_linears_and_norms,
+    state_dict_keys,
+)
 
 ARCHS = ("dflash", "dflash2")
 ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -228,15 +236,7 @@ class DFlash2Drafter(DFlashDrafter):
         backbone), then the convolutions' identity and the selector's init."""
         own = [m for m in self.modules() if isinstance(m, (DFlashGroupedConv, CandidateSelector))]
         skip = {id(x) for m in own for x in m.modules()}
-        for m in self.modules():
-            if id(m) in skip:
-                continue
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_linears_and_norms(m for m in self.modules() if id(m) not in skip)
         self.rotary_emb.reset_buffers(buffer_device)
         for m in own:
             m.reset_parameters()

@@ -432,6 +432,18 @@ class DraftCache:
             self.positions = self.positions[:, :n]
 
 
+@torch.no_grad()
+def init_linears_and_norms(modules) -> None:
+    """N(0, 0.02) weights and zero biases for each linear, unit weights for each RMSNorm, in order."""
+    for m in modules:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+
+
 class DFlashDrafter(nn.Module):
     layer_cls = DecoderLayer  # dflash.dflash2 swaps in its convolved layer
 
@@ -449,13 +461,7 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """N(0, 0.02) linears, unit norms, fresh RoPE buffer (also after meta-device construction)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=INIT_STD)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        init_linears_and_norms(self.modules())
         self.rotary_emb.reset_buffers(buffer_device)
 
     def _check_features(self, ctx_hidden: torch.Tensor) -> None:
