@@ -62,4 +62,23 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
-__all__ = ["supervise", "die_with_parent"]
+def pid_alive(pid: int) -> bool:
+    """`pid` runs (a zombie, killed but not yet reaped, does not)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+__all__ = ["supervise", "die_with_parent", "pid_alive"]

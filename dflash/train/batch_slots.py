@@ -33,6 +33,7 @@ import time
 import torch
 
 from dflash.errors import DataError
+from dflash.spawned import pid_alive
 
 
 def default_num_slots(num_workers: int, per_step: int) -> int:
@@ -84,7 +85,7 @@ class BatchSlots:
                 raise DataError(f"batch slot {slot} was handed to micro-batch {int(self.next_seq[slot])} before "
                                 f"micro-batch {seq}; this is a bug in the loader's order")
             if time.monotonic() - checked > 0.1:
-                if not _alive(self._owner):
+                if not pid_alive(self._owner):
                     raise DataError(f"the training process {self._owner} is gone (micro-batch {seq} was waiting "
                                     "for its batch slot)")
                 checked = time.monotonic()
@@ -104,23 +105,6 @@ class BatchSlots:
             torch.cuda.synchronize()  # no copy may still read the slots
             torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
             self._registered = False
-
-
-def _alive(pid: int) -> bool:
-    """pid exists and is not a zombie (a killed trainer stays one until its parent reaps it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: existence only
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
 
 
 __all__ = ["BatchSlots", "default_num_slots"]

@@ -277,10 +277,12 @@ def _skipped(e: DamagedSampleError) -> None:
           "`dflash verify` lists them all)", file=sys.stderr, flush=True)
 
 
-def _worker_init(_):
-    from dflash.spawned import die_with_parent
+def _worker_init(_, trainer_pid: int | None = None):
+    from dflash.spawned import die_with_parent, pid_alive
 
     die_with_parent(os.getppid())  # the forkserver, which dies with the trainer (train/forkserver_guard.py)
+    if trainer_pid is not None and not pid_alive(trainer_pid):  # it died while this worker was starting
+        os._exit(1)
     torch.set_num_threads(1)  # workers do light numpy work; leave the cores to the training process
 
 
@@ -325,7 +327,7 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
         sampler=sampler,
         num_workers=num_workers,
         multiprocessing_context=ctx,
-        worker_init_fn=_worker_init,
+        worker_init_fn=functools.partial(_worker_init, trainer_pid=os.getpid()),
         pin_memory=pin_memory,
         prefetch_factor=PREFETCH_FACTOR,
         persistent_workers=False,

@@ -213,15 +213,17 @@ def test_killing_only_the_launcher_stops_its_training_processes(tmp_path, tiny_s
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for_holder(run, launcher, timeout=240, also=lambda: (run / "metrics.jsonl").is_file())
-        trainers = [q for q in descendants(launcher.pid) if b"spawn_main" in Path(f"/proc/{q}/cmdline").read_bytes()
+        family = descendants(launcher.pid)  # the trainers, their loaders' forkservers and workers
+        trainers = [q for q in family if b"spawn_main" in Path(f"/proc/{q}/cmdline").read_bytes()
                     and Path(f"/proc/{q}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(launcher.pid)]
         assert len(trainers) == 2, trainers  # the two training processes, children of the launcher
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
         t0 = time.time()
-        while [q for q in trainers if alive(q)] and time.time() - t0 < 30:
+        while [q for q in family if alive(q)] and time.time() - t0 < 20:
             time.sleep(0.05)
         assert not [q for q in trainers if alive(q)], "training processes outlived their launcher and its lock"
+        assert not [q for q in family if alive(q)], "loader processes outlived their trainers"
         with dir_lock(run, "run directory"):  # free: nobody trains this run any more
             pass
     finally:
