@@ -20,7 +20,6 @@ import torch
 
 from helpers import make_conversations_jsonl, make_tiny_target
 
-REPO = Path(__file__).resolve().parents[2]
 B = 8
 
 
@@ -262,62 +261,3 @@ def test_drafting_in_the_loop_matches_the_training_forward(setup):
         with torch.no_grad():
             out = drafter(ctx, blk, torch.arange(S)[None], bpos, mask)
         torch.testing.assert_close(out[0, :B], h[0], atol=1e-4, rtol=1e-4)
-
-
-EMBEDDED_TARGET = REPO / "data" / "target"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (EMBEDDED_TARGET / "config.json").is_file() or not (REPO / "data" / "heldout.jsonl").is_file(),
-                    reason="the embedded default data/target is not built yet (python stages/make_target.py)")
-def test_trained_drafter_beats_untrained_on_embedded_default(tmp_path):
-    """A short training run on the embedded default: offline and online tau beat an untrained drafter's,
-    and real speculative decoding with the trained drafter stays lossless."""
-    compare_trained_and_untrained(EMBEDDED_TARGET, REPO / "data" / "train.jsonl", REPO / "data" / "heldout.jsonl",
-                                  tmp_path, layers=[1, 2], steps=40)
-
-
-def compare_trained_and_untrained(target_dir, train_data, heldout_data, tmp, layers, steps):
-    from dflash.config import EvalConfig, PrecomputeConfig, TrainConfig
-    from dflash.evaluate.export import load_training_drafter
-    from dflash.evaluate.run import load_prompts, offline_tau, online_eval, run_eval
-    from dflash.model import DFlashDrafter
-    from dflash.precompute.run import run_precompute
-    from dflash.store import open_store
-    from dflash.target.capture import load_target, load_tokenizer
-    from dflash.target.files import load_embed_and_head
-    from dflash.train.trainer import run_training
-
-    torch.set_num_threads(2)
-    stores = {}
-    for name, data, n in (("train", train_data, 160), ("heldout", heldout_data, 24)):
-        stores[name] = tmp / name
-        run_precompute(PrecomputeConfig(target=str(target_dir), data=str(data), out=str(stores[name]), shards=1,
-                                        gpus="cpu", max_length=512, topk=0, target_layers=layers, max_samples=n))
-    run = tmp / "run"
-    run_training(TrainConfig(store=str(stores["train"]), target=str(target_dir), out=str(run), gpus="cpu:1",
-                             block_size=B, num_layers=1, steps=steps, lr=3e-3, warmup_steps=5, token_budget=1024,
-                             num_anchors=16, num_workers=1, compile="off", seed=0), "cpu")
-    trained, _, _ = load_training_drafter(run)
-    torch.manual_seed(0)
-    untrained = DFlashDrafter(trained.config).eval()
-
-    embed, head = load_embed_and_head(target_dir)
-    held = open_store(stores["heldout"])
-    tau_t = offline_tau(trained, embed.float(), head.float(), held, num_anchors=16, progress=False)["tau"]
-    tau_u = offline_tau(untrained, embed.float(), head.float(), held, num_anchors=16, progress=False)["tau"]
-    assert tau_u < 1.02 and tau_t > tau_u + 0.05, (tau_t, tau_u)
-
-    tok = load_tokenizer(target_dir)
-    target = load_target(target_dir, torch.float32, torch.device("cpu"))
-    prompts = load_prompts(heldout_data, tok, max_samples=4)
-    eos = {tok.eos_token_id}
-    on_t = online_eval(target, trained, prompts, max_new_tokens=48, eos_ids=eos, progress=False)
-    on_u = online_eval(target, untrained, prompts, max_new_tokens=48, eos_ids=eos, progress=False)
-    assert on_t["lossless"] and on_u["lossless"]
-    assert on_t["tau"] > on_u["tau"], (on_t["tau"], on_u["tau"])
-
-    # The command's own path agrees with the in-process numbers.
-    res = run_eval(EvalConfig(run=str(run), store=str(stores["heldout"]), num_anchors=16, plots=False, device="cpu"))
-    assert res["tau"] == pytest.approx(tau_t) and (run / "eval.json").is_file()
-    return tau_t, tau_u, on_t, on_u
