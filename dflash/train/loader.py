@@ -112,10 +112,16 @@ class PackedDataset(torch.utils.data.Dataset):
         try:
             return self._sample(idx, epoch)
         except DamagedSampleError as e:
-            if not self.spec.skip_damaged:
-                raise
-            _skipped(e)
+            self._skip(e)
             return None
+
+    def _skip(self, e: DamagedSampleError) -> None:
+        """--skip-damaged: one line per skipped sample from the worker that read it (the step counts it);
+        without it, the damage stops the run."""
+        if not self.spec.skip_damaged:
+            raise e
+        print(f"dflash train: skipping damaged sample {e.sample_id} in {e.shard} ({e.field} fails its checksum; "
+              "`dflash verify` lists them all)", file=sys.stderr, flush=True)
 
     def _sample(self, idx: int, epoch: int) -> dict:
         spec = self.spec
@@ -178,9 +184,7 @@ class PackedDataset(torch.utils.data.Dataset):
                     try:
                         self.store.read_hidden_into(s["sid"], b["ctx_hidden"][r, c0 : c0 + T])
                     except DamagedSampleError as e:
-                        if not spec.skip_damaged:
-                            raise
-                        _skipped(e)
+                        self._skip(e)
                         s["skipped"] = True
                         damaged += 1
                         continue
@@ -269,12 +273,6 @@ class RankSampler(torch.utils.data.Sampler):
 
 def steps_per_epoch(dataset: PackedDataset, world: int, accum: int, epoch: int = 0) -> int:
     return len(dataset.plan(epoch)) // (world * accum)
-
-
-def _skipped(e: DamagedSampleError) -> None:
-    """--skip-damaged: one line per skipped sample, from the worker that read it (the step counts it)."""
-    print(f"dflash train: skipping damaged sample {e.sample_id} in {e.shard} ({e.field} fails its checksum; "
-          "`dflash verify` lists them all)", file=sys.stderr, flush=True)
 
 
 def _worker_init(_, trainer_pid: int | None = None):
