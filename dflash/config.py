@@ -90,6 +90,10 @@ class TrainConfig:
                                         "sliding layers then one full, window 2048, as its published drafters.")
     sliding_window: int | None = opt(None, "Window of the sliding layers in tokens, the query's own included "
                                      "(a query at p sees keys p-W < j <= p).")
+    drafter_init: str = opt("random", "Initial weights of the drafter's layers: random = N(0, 0.02) linears and "
+                            "unit norms (as z-lab's DFlash); target = copies of the target's last --num-layers "
+                            "layers (attention, q/k norms, MLP, layer norms; fc and the drafter's own norms stay "
+                            "random), on a fresh run only (docs/DESIGN.md §2).", ("random", "target"))
     # schedule
     steps: int | None = opt(None, "Total optimizer steps; default derived from --epochs.")
     epochs: float = opt(1.0, "Epochs over the store (when --steps is not given).")

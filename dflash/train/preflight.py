@@ -36,6 +36,8 @@ class Setup:
     mask_token_source: str
     eval_store: object = None  # held-out store for --eval-every
     layer_types_source: str = "default: all full"  # where the drafter's layer types came from
+    # --drafter-init target: {"copies": {drafter name: (file, target name)}, "record": ...} (train/drafter_init.py)
+    drafter_init: dict | None = None
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
@@ -55,6 +57,7 @@ class Setup:
             "drafter": self.drafter_config.to_hf_dict(),
             "mask_token": {"id": self.mask_token_id, "source": self.mask_token_source},
             "layer_types_source": self.layer_types_source,
+            "drafter_init": self.drafter_init["record"] if self.drafter_init else {"mode": "random"},
             "world_size": world,
             "store": {
                 "path": portable(self.cfg.store, self.cfg.out),  # relative to the run directory
@@ -305,6 +308,11 @@ def preflight(cfg: TrainConfig) -> Setup:
     if dcfg.hidden_size * len(dcfg.target_layer_ids) != store.hidden_size * len(store.target_layer_ids):
         raise StoreError(f"store {cfg.store} holds features of width {store.hidden_size} x "
                          f"{len(store.target_layer_ids)} layers, but the drafter expects hidden size {dcfg.hidden_size}.")
+    init = None
+    if cfg.drafter_init == "target":
+        from dflash.train import drafter_init
+
+        init = drafter_init.plan(cfg.target, dcfg, tcfg)
     spec = LoaderSpec(
         block_size=cfg.block_size,
         num_anchors=cfg.num_anchors,
@@ -319,7 +327,7 @@ def preflight(cfg: TrainConfig) -> Setup:
         skip_damaged=cfg.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
-    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store, types_source)
+    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store, types_source, init)
 
 
 __all__ = ["Setup", "preflight", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]

@@ -259,6 +259,13 @@ class TrainStep:
         return (get_model_state_dict(self.raw, options=opts),
                 get_optimizer_state_dict(self.raw, self.optimizer, options=opts))
 
+    def load_weights(self, tensors: dict) -> None:
+        """Overwrite these drafter parameters (full tensors by name), the others untouched; on every process,
+        under DDP, FSDP2 or alone (--drafter-init target, before the first step)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.raw, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+
     def load_state_dict(self, model_state: dict, optim_state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -108,8 +108,16 @@ class Trainer:
     def resume(self) -> None:
         """Load the newest checkpoint of the run directory, if --resume and there is one."""
         found = ckpt.load_latest(Path(self.cfg.out)) if self.cfg.resume else None  # skips unreadable ones
+        init = self.setup.drafter_init
         if found is None:
+            if init:
+                from dflash.train import drafter_init
+
+                self.step_fn.load_weights(drafter_init.load(init["copies"]))
+                init["record"]["applied"] = "fresh run: the listed tensors were copied from the target"
             return
+        if init:
+            init["record"]["applied"] = f"resumed from {found[0].name}: the checkpoint's weights, nothing copied"
         latest, (model_state, drafter_cfg, train_state, _) = found
         changed = ckpt.arch_change(latest, drafter_cfg, self.setup.drafter_config.to_hf_dict())
         if changed:
