@@ -65,6 +65,10 @@ CONFIGS: dict[str, dict] = {
     "ga2_micro": {"grad_accum": 2, "loss_norm": "micro_batch"},  # ... each micro-batch its own mean, averaged
     "ga4": {"grad_accum": 4},
     "ga4_micro": {"grad_accum": 4, "loss_norm": "micro_batch"},
+    # session 11
+    "init_target": {"drafter_init": "target"},  # the drafter's layers start as the target's last layers
+    "init_target_1000": {"drafter_init": "target", "steps": 1000},
+    "base_1000": {"steps": 1000},  # ~ the peer recipe's 500 steps in GPU-seconds (50 s alone)
 }
 
 
@@ -182,7 +186,8 @@ def online(job: dict, run: Path) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", action="append", required=True, help="NAME:TARGET_DIR:TRAIN_JSONL:HELDOUT_JSONL")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names (default: all)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names (default: all); NAME@1 or "
+                    "NAME@0+1 runs that config with those seeds only")
     ap.add_argument("--configs-b", default=None, help="configs for the second and later setups (default: --configs)")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--steps", type=int, default=500)
@@ -196,7 +201,8 @@ def main() -> None:
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--run-timeout-s", type=float, default=None, help="kill a run after this many seconds (its "
                     "curve so far is kept, marked partial)")
-    ap.add_argument("--online-configs", default="", help="configs whose seed-0 runs also get online tau")
+    ap.add_argument("--online-configs", default="", help="configs whose runs also get online tau: NAME (seed 0) or "
+                    "NAME@0+1 (those seeds)")
     ap.add_argument("--online-samples", type=int, default=100, help="held-out prompts of the online eval")
     ap.add_argument("--seed0-configs", default="", help="configs run with seed 0 only")
     ap.add_argument("--run-suffix", default="", help="appended to each run's directory name")
@@ -218,16 +224,22 @@ def main() -> None:
         names = (args.configs_b or args.configs) if i else args.configs
         setups.append({"name": name, "target": target, "train": train, "heldout": heldout,
                        "configs": [c for c in names.split(",") if c]})
+    online_seeds = {}
+    for item in filter(None, args.online_configs.split(",")):
+        name, _, seeds = item.partition("@")
+        online_seeds[name] = [int(x) for x in seeds.split("+")] if seeds else [0]
     jobs, t0, stores_of = [], time.perf_counter(), {}
     for s in setups:
         n_target = json.loads((Path(s["target"]) / "config.json").read_text())["num_hidden_layers"]
-        for c in s["configs"]:
+        for item in s["configs"]:
+            c, _, only = item.partition("@")
             layers = CONFIGS[c].get("target_layers") or default_target_layers(n_target, BASE["num_layers"])
             if (s["name"], tuple(layers)) not in stores_of:
                 stores_of[s["name"], tuple(layers)] = precompute(s, layers, work, "0" if gpus != "cpu:1" else "cpu")
                 print(f"stores {s['name']} {layers} after {time.perf_counter() - t0:.0f}s", flush=True)
             stores = stores_of[s["name"], tuple(layers)]
-            for seed in [int(x) for x in args.seeds.split(",")][: 1 if c in args.seed0_configs.split(",") else None]:
+            seeds = [int(x) for x in args.seeds.split(",")][: 1 if c in args.seed0_configs.split(",") else None]
+            for seed in [int(x) for x in only.split("+")] if only else seeds:
                 jobs.append({"setup": s["name"], "name": c, "overrides": CONFIGS[c], "seed": seed, "layers": layers,
                              "stores": stores, "target": s["target"], "gpus": gpus, "steps": args.steps,
                              "eval_every": args.eval_every, "compile": args.compile,
@@ -235,8 +247,7 @@ def main() -> None:
                              "timeout": args.run_timeout_s,
                              "end_at": args.end_at,
                              "heldout_prompts": s["heldout"],
-                             "online": args.online_samples if seed == 0 and c in args.online_configs.split(",")
-                             else None})
+                             "online": args.online_samples if seed in online_seeds.get(c, ()) else None})
     print(f"precompute done in {time.perf_counter() - t0:.0f}s; {len(jobs)} runs", flush=True)
     results = []
 
