@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 TILE = 128
 
@@ -302,3 +303,36 @@ def to_dense_mask(meta: dict[str, torch.Tensor]):
     if has_sliding(meta):
         return {FULL_ATTENTION: dense_mask(meta).unsqueeze(1), SLIDING_ATTENTION: dense_mask(meta, True).unsqueeze(1)}
     return dense_mask(meta).unsqueeze(1)
+
+
+def tiled_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+               tile: int = TILE) -> torch.Tensor | None:
+    """SDPA of q [R,h,Q,d] over k/v [R,kvh,K,d] under a bool mask [R,1,Q,K], over only the key tiles each
+    query tile can see; None when the shapes are not whole tiles or the mask is too dense to gain.
+
+    A packed row's mask is block-diagonal by sample, so a tile of queries sees a few of the row's key tiles.
+    SDPA's CPU kernel skips no masked tile (it spent over half of a CPU training step on them), so each query
+    tile's visible key tiles are gathered and attended densely: the same sums over the same keys. Tiles
+    with no visible key that pad a query tile's list contribute nothing, since their mask is all off."""
+    R, h, Q, d = q.shape
+    K = k.shape[2]
+    if Q % tile or K % tile or mask.shape[1] != 1:
+        return None
+    qt, kt = Q // tile, K // tile
+    seen = mask.view(R, qt, tile, kt, tile).any(4).any(2)  # [R, qt, kt]
+    width = int(seen.sum(-1).max())
+    if width == 0 or 2 * width > kt:
+        return None
+    # the visible tiles first, in key order (a stable sort of "not seen"), then padding tiles
+    order = torch.sort((~seen).to(torch.int8), dim=-1, stable=True).indices[..., :width]  # [R, qt, width]
+    keys = (order.unsqueeze(-1) * tile + torch.arange(tile, device=q.device)).flatten(-2)  # [R, qt, width*tile]
+    rows = torch.arange(R, device=q.device).view(R, 1, 1)
+    kg = k.transpose(1, 2)[rows, keys].permute(0, 1, 3, 2, 4).flatten(0, 1)  # [R*qt, kvh, width*tile, d]
+    vg = v.transpose(1, 2)[rows, keys].permute(0, 1, 3, 2, 4).flatten(0, 1)
+    mg = torch.gather(mask.view(R, qt, tile, K), 3, keys.unsqueeze(2).expand(R, qt, tile, keys.shape[-1]))
+    mg = mg.flatten(0, 1).unsqueeze(1)  # [R*qt, 1, tile, width*tile]
+    qg = q.view(R, h, qt, tile, d).transpose(1, 2).flatten(0, 1)  # [R*qt, h, tile, d]
+    rows_on = mg.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mg | ~rows_on, scale=scale, enable_gqa=True)
+    out = out.masked_fill(~rows_on, 0.0)
+    return out.view(R, qt, h, tile, d).transpose(1, 2).reshape(R, h, Q, d)

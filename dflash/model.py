@@ -328,6 +328,11 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     if isinstance(mask, torch.Tensor):
+        from dflash.masks import tiled_sdpa
+
+        out = tiled_sdpa(q, k, v, mask, scale)  # a packed row's sparse mask: only the key tiles it sees
+        if out is not None:
+            return out
         # SDPA turns rows with no visible key into NaN (and NaN gradients); let them see everything,
         # then zero their output, which is what flex_attention returns for an empty row.
         rows_on = mask.any(-1, keepdim=True)

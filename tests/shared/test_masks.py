@@ -174,3 +174,39 @@ def test_block_mask_to_dense_matches_rule():
     assert torch.equal(dense, masks.to_dense_mask(meta))
     for i, r in enumerate(rows):
         assert torch.equal(dense[i, 0], rule_by_loops({**r, "S": S, "Q": Q}))
+
+
+def _sdpa_reference(q, k, v, mask):
+    rows_on = mask.any(-1, keepdim=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~rows_on, enable_gqa=True, scale=0.25)
+    return torch.where(rows_on, out, 0.0)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_tiled_sdpa_equals_dense_sdpa_with_gradients(sliding):
+    """The CPU training path's tile-gathered SDPA gives dense SDPA's outputs and gradients on packed rows
+    (two rows of different fill, empty padded query tiles, a sliding window)."""
+    rows = [random_row(s, 8, n_samples=5, max_len=400, extra_q_tiles=1) for s in (3, 4)]
+    S = max(r["S"] for r in rows) + 512  # room: each query tile sees a few of many key tiles
+    Q = max(r["Q"] for r in rows)
+    window = 48 if sliding else None
+    meta = masks.stack_metadata([masks.mask_metadata(**{**r, "S": S, "Q": Q}, sliding_window=window)
+                                 for r in rows])
+    dense = masks.to_dense_mask(meta)
+    mask = dense[masks.SLIDING_ATTENTION] if sliding else dense
+    assert (~mask.any(-1)).any(), "the rows have queries that see nothing (padding)"
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, h, n, 16, generator=g, requires_grad=True) for h, n in ((4, Q), (2, S + Q), (2, S + Q))]
+    ref = _sdpa_reference(*leaves, mask)
+    got = masks.tiled_sdpa(*leaves, mask, 0.25)
+    assert got is not None, "a sparse packed row takes the tiled path"
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    w = torch.randn(ref.shape, generator=g)
+    for a, b in zip(torch.autograd.grad((ref * w).sum(), leaves), torch.autograd.grad((got * w).sum(), leaves)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_sdpa_declines_what_it_cannot_speed_up():
+    q, k = torch.zeros(1, 2, 128, 8), torch.zeros(1, 2, 256, 8)
+    assert masks.tiled_sdpa(q, k, k, torch.ones(1, 1, 128, 256, dtype=torch.bool), 1.0) is None  # dense
+    assert masks.tiled_sdpa(q[:, :, :100], k, k, torch.zeros(1, 1, 100, 256, dtype=torch.bool), 1.0) is None
