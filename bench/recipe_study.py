@@ -69,6 +69,9 @@ CONFIGS: dict[str, dict] = {
     "init_target": {"drafter_init": "target"},  # the drafter's layers start as the target's last layers
     "init_target_1000": {"drafter_init": "target", "steps": 1000},
     "base_1000": {"steps": 1000},  # ~ the peer recipe's 500 steps in GPU-seconds (50 s alone)
+    "base_w4": {"num_workers": 4},  # GPU-seconds alone with 4 DataLoader workers instead of params.yaml's 1
+    "peer_w4": {"lr": 6e-4, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999], "weight_decay": 0.01,
+                "min_lr_ratio": 0.0, "num_workers": 4},
 }
 
 
