@@ -18,3 +18,10 @@ grep -h '"step_s_median"' $OUT/alone_log.txt | python3 -c "
 import json,sys
 for l in sys.stdin:
     r=json.loads(l); print(r['config'], 'steps', r['steps'], 'step_s', r['step_s_median'] and round(r['step_s_median'],4), 'samples', r['samples'], 'wall', r['wall_s'], r['partial'])"
+python3 -c "
+import json, glob, statistics as st
+for m in sorted(glob.glob('/tmp/recipe/a/runs/*_alone/metrics.jsonl')):
+    rs = [json.loads(l) for l in open(m) if l.strip().endswith('}')][10:]
+    print(m.split('/')[-2], 'steps', len(rs) + 10, 'data_wait_frac median', round(st.median(r['data_wait_frac'] for r in rs), 3),
+          'samples/step', round(st.mean(r['samples'] for r in rs), 1))
+" | tee $OUT/alone/data_wait.txt
