@@ -77,10 +77,6 @@ def plan(target_dir: str, drafter_config, target_config) -> dict:
 
     target = _target_dir(target_dir)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    model_type = getattr(text, "model_type", None)
-    if model_type in ZERO_CENTRED_NORMS:
-        raise _refuse(target, f"its model type {model_type} scales by (1 + weight) in its RMSNorms, the drafter by "
-                              "the weight, so copied norms would mean something else")
     n, L = drafter_config.num_hidden_layers, drafter_config.num_target_layers
     if n > L:
         raise _refuse(target, f"the drafter has {n} layers and the target only {L}")
@@ -111,6 +107,10 @@ def plan(target_dir: str, drafter_config, target_config) -> dict:
                 raise _refuse(target, f"{file} holds {src} of shape {list(shape)}, but the drafter's {name} is "
                                       f"{list(shapes[name])}")
             copies[name] = (str(file), src)
+    model_type = getattr(text, "model_type", None)
+    if model_type in ZERO_CENTRED_NORMS:  # after the layers: their mismatch is the more telling message
+        raise _refuse(target, f"its model type {model_type} scales by (1 + weight) in its RMSNorms, the drafter by "
+                              "the weight, so copied norms would mean something else")
     record = {"mode": "target", "rule": RULE, "layer_map": {str(i): j for i, j in layer_map.items()},
               "copied_per_layer": sorted({k.split(".", 2)[2] for k in copies}), "kept_default": kept}
     return {"copies": copies, "record": record}
