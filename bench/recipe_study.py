@@ -354,29 +354,31 @@ def load_runs(files: list[str]) -> list[dict]:
                     r["config"] += "@lr2e-3"
                 r["config"] = {"lr6e-4": "base", "bb8192_lr6e-4": "bb8192"}.get(r["config"], r["config"])
                 r["session"] = 8
+            elif "session11" in str(f):
+                r = {**r, "session": 11}
             runs.append(r)
     return runs
 
 
 def summary(files: list[str]) -> None:
     """python bench/recipe_study.py --summary-from A.json ...: one markdown row per (setup, config): held-out
-    tau per seed and mean, steps, TFLOPs, samples, online tau (seed 0), steady-state s/step."""
+    tau per seed and mean, steps, TFLOPs, samples, online tau (each seed that has one), steady-state s/step."""
     rows: dict = {}
     for r in load_runs(files):
         if "error" not in r:
             rows.setdefault((r["setup"], r["config"], r.get("session", 10)), []).append(r)
-    print("| setup | config | session | steps | held-out tau (s0 / s1) | mean | train TFLOPs | samples | online tau (s0) "
+    print("| setup | config | session | steps | held-out tau (s0 / s1) | mean | train TFLOPs | samples | online tau "
           "| s/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for (setup, config, session), rs in sorted(rows.items()):
         rs = sorted(rs, key=lambda r: r["seed"])
         taus = [r["heldout_tau"] for r in rs if r.get("heldout_tau") is not None and not r.get("partial")]
-        on = next((r["online"] for r in rs if r.get("online") and "tau" in r["online"]), None)
+        ons = [(r["seed"], r["online"]) for r in rs if r.get("online") and "tau" in r["online"]]
         part = " (partial: " + ", ".join(f"s{r['seed']} at step {r['steps']}" for r in rs if r.get("partial")) + ")" \
             if any(r.get("partial") for r in rs) else ""
         tau_s = f"{' / '.join(f'{t:.2f}' for t in taus)} | {sum(taus) / len(taus):.2f}" if taus else "- | -"
         st = rs[0].get("step_s_median")
-        on_s = "-" if not on else f"{on['tau']:.2f}" + ("" if on["lossless"] else " NOT LOSSLESS")
+        on_s = " / ".join(f"s{seed} {o['tau']:.2f}" + ("" if o["lossless"] else " NOT LOSSLESS") for seed, o in ons) or "-"
         st_s = f"{st * 1e3:.1f} ms" if st else "-"
         print(f"| {setup} | {config}{part} | {session} | {rs[0]['steps']} | {tau_s} | {rs[0]['train_flops'] / 1e12:.1f} | "
               f"{rs[0]['samples']} | {on_s} | {st_s} |")
