@@ -72,6 +72,11 @@ CONFIGS: dict[str, dict] = {
     "base_w4": {"num_workers": 4},  # GPU-seconds alone with 4 DataLoader workers instead of params.yaml's 1
     "peer_w4": {"lr": 6e-4, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999], "weight_decay": 0.01,
                 "min_lr_ratio": 0.0, "num_workers": 4},
+    # session 11, call 4: tau at equal GPU-seconds with 4 DataLoader workers (each run alone on the device)
+    "bb8192_w4": {"block_budget": 8192, "num_workers": 4},
+    "base_1000_w4": {"steps": 1000, "num_workers": 4},
+    "peer_1000_w4": {"lr": 6e-4, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999],
+                     "weight_decay": 0.01, "min_lr_ratio": 0.0, "num_workers": 4, "steps": 1000},
 }
 
 
@@ -298,7 +303,8 @@ def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
     """Held-out tau against training FLOPs, per setup: every run's curve (its --eval-every points, FLOPs
     taken proportional to the step), one colour per config, both seeds.  With `step_s` ({shape: seconds
     per step measured alone}), against GPU-seconds instead: step x its shape's seconds per step (runs
-    whose shape was not timed are left out)."""
+    whose shape was not timed are left out); with step_s "own", step x the run's own step_s_median (runs
+    that ran alone, one after another)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,6 +321,10 @@ def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
                 steps, taus = zip(*r["curve"])
                 if step_s is None:
                     xs = [r["train_flops"] * st / r["steps"] / 1e12 for st in steps]
+                elif step_s == "own":  # the run's own steady-state step (it ran alone on the device)
+                    if not r.get("step_s_median"):
+                        continue
+                    xs = [st * r["step_s_median"] for st in steps]
                 elif shape_of(r.get("overrides") or {}) in step_s:
                     xs = [st * step_s[shape_of(r.get("overrides") or {})] for st in steps]
                 else:
@@ -330,14 +340,15 @@ def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
     fig.savefig(path, dpi=110)
 
 
-def plot_files(files: list[str], path: str, timing: list[str] | None = None) -> None:
+def plot_files(files: list[str], path: str, timing: list[str] | str | None = None) -> None:
     """python bench/recipe_study.py --plot-from A.json B.json ... OUT.png
     python bench/recipe_study.py --plot-gpu-s-from TIMING.json A.json B.json ... OUT.png
+    python bench/recipe_study.py --plot-own-gpu-s-from A.json ... OUT.png  (each run's own seconds per step)
     (RECIPE_PLOT_ONLY=base,peer,... keeps those configs only)"""
     runs = load_runs(files)
     if os.environ.get("RECIPE_PLOT_ONLY"):  # comma-separated config names (as relabelled by load_runs)
         runs = [r for r in runs if r["config"] in os.environ["RECIPE_PLOT_ONLY"].split(",")]
-    plot(runs, Path(path), step_seconds(timing) if timing else None)
+    plot(runs, Path(path), "own" if timing == "own" else step_seconds(timing) if timing else None)
 
 
 def load_runs(files: list[str]) -> list[dict]:
@@ -390,5 +401,7 @@ if __name__ == "__main__":
         plot_files(sys.argv[2:-1], sys.argv[-1])
     elif len(sys.argv) > 3 and sys.argv[1] == "--plot-gpu-s-from":
         plot_files(sys.argv[3:-1], sys.argv[-1], [sys.argv[2]])
+    elif len(sys.argv) > 3 and sys.argv[1] == "--plot-own-gpu-s-from":
+        plot_files(sys.argv[2:-1], sys.argv[-1], "own")
     else:
         main()
