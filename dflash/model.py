@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.masks import TiledMask, tiled_sdpa
 from dflash.target.files import engine_layer_problem  # noqa: F401  (re-exported: train and export ask it here)
 
 INIT_STD = 0.02
@@ -327,10 +328,11 @@ def attend(q, k, v, mask, scale: float) -> torch.Tensor:
     """q [R,h,Q,d], k/v [R,kvh,K,d]; mask: BlockMask, bool [R,1,Q,K] or None (all visible)."""
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if isinstance(mask, TiledMask):
+        return tiled_sdpa(q, k, v, mask, scale)
     if isinstance(mask, torch.Tensor):
-        from dflash.masks import tiled_sdpa
-
-        out = tiled_sdpa(q, k, v, mask, scale)  # a packed row's sparse mask: only the key tiles it sees
+        # a packed row's sparse mask: only the key tiles it sees (eager only: the tile count is data)
+        out = None if torch.compiler.is_compiling() else tiled_sdpa(q, k, v, mask, scale)
         if out is not None:
             return out
         # SDPA turns rows with no visible key into NaN (and NaN gradients); let them see everything,
@@ -491,7 +493,7 @@ class DFlashDrafter(nn.Module):
             from dflash.masks import block_mask_to_dense
 
             def dense(m):
-                return m if m is None or isinstance(m, torch.Tensor) else block_mask_to_dense(m)
+                return m if m is None or isinstance(m, (torch.Tensor, TiledMask)) else block_mask_to_dense(m)
 
             mask = {k: dense(v) for k, v in mask.items()} if isinstance(mask, dict) else dense(mask)
         ctx = self._context(ctx_hidden)

@@ -107,8 +107,8 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
             b = ds.build(0, rows)
             n_samples += int(b["num_samples"])
             meta = {k: v.to(device) for k, v in b["mask"].items()}
-            # CPU: the dense mask through SDPA (eager flex_attention there is a slow reference).
-            mask = masks.to_block_mask(meta) if device.type == "cuda" else masks.to_dense_mask(meta)
+            # CPU: SDPA over the tiles each query tile sees (eager flex_attention there is a slow reference).
+            mask = masks.to_block_mask(meta) if device.type == "cuda" else masks.to_tiled_mask(meta)
             with autocast:
                 hidden = drafter(
                     b["ctx_hidden"].to(device),

@@ -209,8 +209,10 @@ class TrainStep:
         if m["ctx_hidden"].is_cuda:
             block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata from the workers
         else:
-            # flex_attention has no CPU backward; the dense mask from the same descriptors is the CPU path.
-            block_mask = masks.to_dense_mask(m["mask"])
+            # flex_attention has no CPU backward. Eager, the CPU path attends over only the tiles each query
+            # tile sees (masks.tiled_sdpa), whose count varies by batch; a compiled drafter (CPU tests) takes
+            # the dense mask, whose shape does not, so that it never recompiles.
+            block_mask = masks.to_dense_mask(m["mask"]) if self.fused else masks.to_tiled_mask(m["mask"])
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)

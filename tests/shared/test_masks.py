@@ -210,3 +210,43 @@ def test_tiled_sdpa_declines_what_it_cannot_speed_up():
     q, k = torch.zeros(1, 2, 128, 8), torch.zeros(1, 2, 256, 8)
     assert masks.tiled_sdpa(q, k, k, torch.ones(1, 1, 128, 256, dtype=torch.bool), 1.0) is None  # dense
     assert masks.tiled_sdpa(q[:, :, :100], k, k, torch.zeros(1, 1, 100, 256, dtype=torch.bool), 1.0) is None
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_tiled_mask_from_metadata_is_the_dense_rule(sliding):
+    """to_tiled_mask builds, from the tile lists and descriptors alone, the mask tiled_sdpa attends with:
+    scattered back over the keys it equals the dense rule, and attention through it equals dense SDPA."""
+    rows = [random_row(s, 8, n_samples=5, max_len=400, extra_q_tiles=1) for s in (5, 6)]
+    S, Q = max(r["S"] for r in rows) + 256, max(r["Q"] for r in rows)
+    meta = masks.stack_metadata([masks.mask_metadata(**{**r, "S": S, "Q": Q}, sliding_window=48 if sliding else None)
+                                 for r in rows])
+    tiled, dense = masks.to_tiled_mask(meta), masks.to_dense_mask(meta)
+    if sliding:
+        tiled, dense = tiled[masks.SLIDING_ATTENTION], dense[masks.SLIDING_ATTENTION]
+    R, qt, n = tiled.keys.shape
+    seen = (tiled.attn & tiled.rows_on).view(R, qt, 128, n).to(torch.int8)
+    back = torch.zeros(R, qt, 128, S + Q, dtype=torch.int8)
+    back.scatter_add_(3, tiled.keys.unsqueeze(2).expand(R, qt, 128, n), seen)
+    assert back.max() <= 1, "no key is gathered twice for a query"
+    assert torch.equal(back.bool().view(R, 1, Q, S + Q), dense)
+    assert n < (S + Q) // 2, "a query tile gathers a fraction of the row's keys"
+    g = torch.Generator().manual_seed(1)
+    leaves = [torch.randn(2, h, m, 16, generator=g) for h, m in ((4, Q), (2, S + Q), (2, S + Q))]
+    torch.testing.assert_close(masks.tiled_sdpa(*leaves, tiled, 0.25), _sdpa_reference(*leaves, dense),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_mask_sees_each_key_once_where_query_tiles_differ_in_width():
+    """Query tiles of one long sample with anchors near 300 and near 1050: the first sees 4 key tiles (2 of
+    them entirely), the second 10, so the first's list is padded; a padding slot must not repeat a tile."""
+    row = dict(sample_ctx_start=[0], sample_ctx_len=[1200], block_sample=[0] * 32, block_size=8, S=1280, Q=256,
+               block_anchor=[300 + i for i in range(16)] + [1050 + i for i in range(16)])
+    meta = masks.mask_metadata(**row)
+    assert int(meta["full_kv_num_blocks"][0]) >= 2, "the row has entirely visible tiles"
+    tiled = masks.to_tiled_mask(meta)
+    R, qt, n = tiled.keys.shape
+    seen = (tiled.attn & tiled.rows_on).view(R, qt, 128, n).to(torch.int8)
+    back = torch.zeros(R, qt, 128, 1280 + 256, dtype=torch.int8)
+    back.scatter_add_(3, tiled.keys.unsqueeze(2).expand(R, qt, 128, n), seen)
+    assert back.max() == 1
+    assert torch.equal(back.bool().view(1, 1, 256, -1), masks.to_dense_mask(meta))
