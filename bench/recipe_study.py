@@ -2,8 +2,14 @@
 baseline, several seeds, on one or more setups (a target, its train and held-out conversations).
 
     python bench/recipe_study.py --setup default:data/target:data/train.jsonl:data/heldout.jsonl \
-        [--setup b:DIR:TRAIN:HELDOUT] [--configs base,lr6e-4,...] [--seeds 0,1] [--parallel 8] \
-        [--steps 500] [--work /tmp/recipe] [--out $OUT]
+        [--setup b:DIR:TRAIN:HELDOUT[:BASE]] [--configs base,lr6e-4,...] [--seeds 0,1] [--parallel 8] \
+        [--steps 500] [--num-workers N] [--work /tmp/recipe] [--out $OUT]
+
+A setup may name a base (SETUP_BASES, e.g. `cli5`): train-section overrides applied to every config of that
+setup before the config's own (session 12's setup c runs the CLI's defaults for real targets: block 16,
+5 drafter layers, token budget = block budget 4096).  The stores' target layers follow each config's
+drafter layer count (the CLI's default rule, dflash.target.files.default_target_layers), unless the config
+names its own target_layers.
 
 For each setup it precomputes a train and a held-out store per target-layer set the configs need (the
 real `dflash precompute`), then runs the real `dflash train` for every (setup, config, seed), up to
@@ -77,6 +83,25 @@ CONFIGS: dict[str, dict] = {
     "base_1000_w4": {"steps": 1000, "num_workers": 4},
     "peer_1000_w4": {"lr": 6e-4, "num_anchors": 512, "block_budget": 8192, "betas": [0.9, 0.999],
                      "weight_decay": 0.01, "min_lr_ratio": 0.0, "num_workers": 4, "steps": 1000},
+    # session 12, setup c (base cli5: block 16, 5 layers, token budget = block budget 4096, 1 row per batch)
+    "c_base": {},  # the CLI's defaults for a real target, at README's 8B layer count
+    "c_l1": {"num_layers": 1},  # the CLI's --num-layers default
+    "c_l3": {"num_layers": 3},
+    "c_b8": {"block_size": 8},  # gamma follows the block (4); the block budget then holds 2x the blocks
+    "c_rows4": {"rows_per_batch": 4},  # README's 8B example: 4 packed rows per micro-batch
+    "c_bb16384": {"block_budget": 16384},  # 4x the block tokens per row: more samples per row
+    "c_peer": {"num_anchors": 512, "block_budget": 16384, "betas": [0.9, 0.999], "weight_decay": 0.01,
+               "min_lr_ratio": 0.0},  # the peer recipe at this shape (block budget 4x the token budget, as on a)
+    "c_lr3e-4": {"lr": 3e-4},
+    "c_lr1.2e-3": {"lr": 1.2e-3},
+    "c_2x": {"steps": 2000},  # the base for 2x the steps (needs --steps 1000 for the others)
+}
+
+# name -> train-section overrides for every config of a setup that names it (NAME:TARGET:TRAIN:HELDOUT:BASE)
+SETUP_BASES: dict[str, dict] = {
+    # the CLI's own defaults (docs/OPTIONS.md) where params.yaml differs, with README's 8B --num-layers 5
+    # (the CLI's --num-layers default is 1: config c_l1); num_workers 2 = the CLI's default
+    "cli5": {"block_size": 16, "num_layers": 5, "token_budget": 4096, "block_budget": None, "num_workers": 2},
 }
 
 
@@ -119,25 +144,39 @@ def train_flops(cfg: dict, target: dict, ctx_tokens: float, block_tokens: float)
     return 3 * fwd + 2 * lm_head
 
 
-def precompute(setup: dict, layers: list[int], work: Path, gpus: str) -> dict:
-    """Train and held-out stores of `setup` with these target layers, both precomputed at once."""
+def precompute(setup: dict, layers: list[int], work: Path, gpus: str, reuse: bool = False) -> dict:
+    """Train and held-out stores of `setup` with these target layers, both precomputed at once (with `reuse`,
+    those that an earlier invocation with the same --work finished are taken as they are)."""
     key = "l" + "_".join(map(str, layers))
     out = {split: work / setup["name"] / f"{split}_{key}" for split in ("train", "heldout")}
+    done = work / setup["name"] / f"{key}.done"
+    if reuse and done.exists():
+        return out
     cmds = [dflash("precompute", "--config", str(work / "none.yaml"), "--target", setup["target"], "--data",
                    setup[split], "--out", str(store), "--gpus", gpus, "--max-length", "1024", "--compile", "off",
                    "--target-layers", ",".join(map(str, layers))) for split, store in out.items()]
     with ThreadPoolExecutor(2) as pool:  # threads only wait on the two subprocesses
         list(pool.map(lambda c: sh(c[1], work / f"{setup['name']}_{c[0]}_{key}.log"), enumerate(cmds)))
+    done.write_text("")
     return out
+
+
+def train_params(job: dict) -> dict:
+    """The run's `dflash train` config: params.yaml's train section, the setup's base, the config's overrides."""
+    extra = {"num_workers": job["num_workers"]} if job.get("num_workers") else {}
+    params = {"train": {**BASE, "steps": job["steps"], **job.get("base", {}), **job["overrides"], **extra,
+                        "store": str(job["stores"]["train"]),
+                        "target": job["target"], "out": str(job["run"]), "gpus": job["gpus"], "seed": job["seed"],
+                        "eval_store": str(job["stores"]["heldout"]), "eval_every": job["eval_every"],
+                        "save_every": 0, "compile": job["compile"]}}
+    params["train"].pop("target_layers", None)
+    return params
 
 
 def run_one(job: dict) -> dict:
     run = Path(job["run"])
-    params = {"train": {**BASE, "steps": job["steps"], **job["overrides"], "store": str(job["stores"]["train"]),
-                        "target": job["target"], "out": str(run), "gpus": job["gpus"], "seed": job["seed"],
-                        "eval_store": str(job["stores"]["heldout"]), "eval_every": job["eval_every"],
-                        "save_every": 0, "compile": job["compile"]}}
-    params["train"].pop("target_layers", None)
+    extra = {"num_workers": job["num_workers"]} if job.get("num_workers") else {}
+    params = train_params(job)
     run.mkdir(parents=True, exist_ok=True)
     cfg_path = run.parent / f"{run.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(params))
@@ -159,8 +198,10 @@ def run_one(job: dict) -> dict:
     # block tokens of a step = its block-token rate x its interval (the interval is ctx tokens / ctx rate)
     blk = sum(r["block_tokens_per_s"] * r["ctx_tokens"] / r["ctx_tokens_per_s"] for r in recs if r["ctx_tokens_per_s"])
     target = json.loads((Path(job["target"]) / "config.json").read_text())
-    merged = {**BASE, **job["overrides"], "target_layers": job["layers"]}
+    merged = {**BASE, **job.get("base", {}), **job["overrides"], "target_layers": job["layers"]}
     return {"setup": job["setup"], "config": job["name"], "seed": job["seed"], "overrides": job["overrides"],
+            **({"base": job["base"]} if job.get("base") else {}), "num_workers": {**merged, **extra}["num_workers"],
+            "target_layers": job["layers"],
             "heldout_tau": curve[-1][1] if curve else None, "curve": curve, "train_tau_last": recs[-1]["tau"],
             "wall_s": round(wall, 1), "ctx_tokens": ctx, "block_tokens": round(blk),
             "samples": sum(r["samples"] for r in recs), "train_flops": train_flops(merged, target, ctx, blk),
@@ -193,7 +234,8 @@ def online(job: dict, run: Path) -> dict | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--setup", action="append", required=True, help="NAME:TARGET_DIR:TRAIN_JSONL:HELDOUT_JSONL")
+    ap.add_argument("--setup", action="append", required=True, help="NAME:TARGET_DIR:TRAIN_JSONL:HELDOUT_JSONL[:BASE] "
+                    "(BASE: a SETUP_BASES name, overrides for all of that setup's configs)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names (default: all); NAME@1 or "
                     "NAME@0+1 runs that config with those seeds only")
     ap.add_argument("--configs-b", default=None, help="configs for the second and later setups (default: --configs)")
@@ -203,9 +245,13 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--gpus", default=None, help="default: 0 when CUDA is present, else cpu:1")
     ap.add_argument("--compile", default="off")
+    ap.add_argument("--num-workers", type=int, default=None, help="DataLoader workers of every run (default: the "
+                    "config's; the worker count changes no batch, only the step's data wait)")
     ap.add_argument("--work", default="/tmp/recipe")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recipe_out"))
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--reuse-stores", action="store_true", help="take the stores an earlier invocation with the same "
+                    "--work finished instead of precomputing them again")
     ap.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     ap.add_argument("--run-timeout-s", type=float, default=None, help="kill a run after this many seconds (its "
                     "curve so far is kept, marked partial)")
@@ -228,27 +274,39 @@ def main() -> None:
 
     setups = []
     for i, spec in enumerate(args.setup):
-        name, target, train, heldout = spec.split(":")
+        name, target, train, heldout, *base = spec.split(":")
         names = (args.configs_b or args.configs) if i else args.configs
         setups.append({"name": name, "target": target, "train": train, "heldout": heldout,
+                       "base": SETUP_BASES[base[0]] if base else {},
                        "configs": [c for c in names.split(",") if c]})
     online_seeds = {}
     for item in filter(None, args.online_configs.split(",")):
         name, _, seeds = item.partition("@")
         online_seeds[name] = [int(x) for x in seeds.split("+")] if seeds else [0]
     jobs, t0, stores_of = [], time.perf_counter(), {}
-    for s in setups:
+
+    def layers_of(s: dict, c: str) -> list[int]:
         n_target = json.loads((Path(s["target"]) / "config.json").read_text())["num_hidden_layers"]
+        n_draft = {**BASE, **s["base"], **CONFIGS[c]}["num_layers"]
+        return CONFIGS[c].get("target_layers") or default_target_layers(n_target, n_draft)
+
+    need = {(s["name"], tuple(layers_of(s, item.partition("@")[0]))): s for s in setups for item in s["configs"]}
+
+    def make_stores(key):  # every (setup, layer set) at once: each is its own two subprocesses
+        stores_of[key] = precompute(need[key], list(key[1]), work, "0" if gpus != "cpu:1" else "cpu", args.reuse_stores)
+        print(f"stores {key[0]} {list(key[1])} after {time.perf_counter() - t0:.0f}s", flush=True)
+
+    with ThreadPoolExecutor(max(1, len(need))) as pool:
+        list(pool.map(make_stores, need))
+    for s in setups:
         for item in s["configs"]:
             c, _, only = item.partition("@")
-            layers = CONFIGS[c].get("target_layers") or default_target_layers(n_target, BASE["num_layers"])
-            if (s["name"], tuple(layers)) not in stores_of:
-                stores_of[s["name"], tuple(layers)] = precompute(s, layers, work, "0" if gpus != "cpu:1" else "cpu")
-                print(f"stores {s['name']} {layers} after {time.perf_counter() - t0:.0f}s", flush=True)
+            layers = layers_of(s, c)
             stores = stores_of[s["name"], tuple(layers)]
             seeds = [int(x) for x in args.seeds.split(",")][: 1 if c in args.seed0_configs.split(",") else None]
             for seed in [int(x) for x in only.split("+")] if only else seeds:
-                jobs.append({"setup": s["name"], "name": c, "overrides": CONFIGS[c], "seed": seed, "layers": layers,
+                jobs.append({"setup": s["name"], "name": c, "overrides": CONFIGS[c], "base": s["base"],
+                             "num_workers": args.num_workers, "seed": seed, "layers": layers,
                              "stores": stores, "target": s["target"], "gpus": gpus, "steps": args.steps,
                              "eval_every": args.eval_every, "compile": args.compile,
                              "run": str(work / s["name"] / "runs" / f"{c}_s{seed}{args.run_suffix}"),
@@ -282,11 +340,13 @@ def main() -> None:
         plot(results, out / "recipe_tau_vs_flops.png")
 
 
-def shape_of(overrides: dict) -> tuple:
-    """What a step's time depends on (not lr, betas, ...): anchors, token and block budgets, accumulation."""
-    c = {**BASE, **overrides}
+def shape_of(overrides: dict, base: dict | None = None) -> tuple:
+    """What a step's time depends on (not lr, betas, ...): anchors, token and block budgets, accumulation, rows,
+    block size and drafter layers (`base`: the setup's base overrides, as recorded in the run's record).
+    Not the target's width: timings of one setup's shapes are meant for that setup's runs."""
+    c = {**BASE, **(base or {}), **overrides}
     return (c["num_anchors"], c["token_budget"], c.get("block_budget") or c["token_budget"], c.get("grad_accum", 1),
-            c.get("rows_per_batch", 1))
+            c.get("rows_per_batch", 1), c["block_size"], c["num_layers"])
 
 
 def step_seconds(timing_files: list[str]) -> dict:
@@ -295,7 +355,7 @@ def step_seconds(timing_files: list[str]) -> dict:
     for f in timing_files:
         for r in json.loads(Path(f).read_text())["runs"]:
             if r and r.get("step_s_median"):
-                out[shape_of(r["overrides"])] = r["step_s_median"]
+                out[shape_of(r["overrides"], r.get("base"))] = r["step_s_median"]
     return out
 
 
@@ -325,8 +385,8 @@ def plot(results: list[dict], path: Path, step_s: dict | None = None) -> None:
                     if not r.get("step_s_median"):
                         continue
                     xs = [st * r["step_s_median"] for st in steps]
-                elif shape_of(r.get("overrides") or {}) in step_s:
-                    xs = [st * step_s[shape_of(r.get("overrides") or {})] for st in steps]
+                elif shape_of(r.get("overrides") or {}, r.get("base")) in step_s:
+                    xs = [st * step_s[shape_of(r.get("overrides") or {}, r.get("base"))] for st in steps]
                 else:
                     continue
                 ax.plot(xs, taus, "-o", ms=2.5, lw=1, color=colour, label=c if i == 0 else None)
@@ -367,6 +427,8 @@ def load_runs(files: list[str]) -> list[dict]:
                 r["session"] = 8
             elif "session11" in str(f):
                 r = {**r, "session": 11}
+            elif "session12" in str(f):
+                r = {**r, "session": 12}
             runs.append(r)
     return runs
 
