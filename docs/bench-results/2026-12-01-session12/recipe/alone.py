@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--end-at", type=float, required=True, help="unix time: give up then")
     ap.add_argument("--measure", type=int, default=90, help="steps after the resume (the first 10 are dropped)")
     ap.add_argument("--shape-timeout-s", type=float, default=13.0)
+    ap.add_argument("--max-start-s", type=float, default=60.0, help="after the go file: how long to wait for the "
+                    "shapes still starting to log their first step")
     ap.add_argument("--num-workers", type=int, default=4)
     ap.add_argument("--gpus", default="0")
     ap.add_argument("--out", required=True)
@@ -91,11 +93,18 @@ def main() -> None:
         procs[c]["stopped"] = True
         print(f"t={time.time() - t0:.0f}s stopped {c} at step {len(records(procs[c]['run']))} ({why})", flush=True)
 
-    # Stop each as soon as it has logged a step; stop the rest when the study has ended.
-    while not Path(args.go_file).exists() and time.time() < args.end_at:
+    # Stop each as soon as it has logged a step; once the study has ended (the go file), wait for the rest
+    # to log theirs, at most --max-start-s, then stop any still starting.
+    go_t = None
+    while time.time() < args.end_at:
         for c, d in procs.items():
             if not d["stopped"] and d["p"].poll() is None and records(d["run"]):
                 stop(c, "first step logged")
+        if go_t is None and Path(args.go_file).exists():
+            go_t = time.time()
+        if go_t is not None and (all(d["stopped"] or d["p"].poll() is not None for d in procs.values())
+                                 or time.time() - go_t > args.max_start_s):
+            break
         time.sleep(0.2)
     for c, d in procs.items():
         if not d["stopped"] and d["p"].poll() is None:
