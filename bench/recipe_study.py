@@ -95,6 +95,7 @@ CONFIGS: dict[str, dict] = {
     "c_lr3e-4": {"lr": 3e-4},
     "c_lr1.2e-3": {"lr": 1.2e-3},
     "c_2x": {"steps": 2000},  # the base for 2x the steps (needs --steps 1000 for the others)
+    "c_base_1000": {"steps": 1000},  # session 12, call 2: the base for 2x the steps of --steps 500
 }
 
 # name -> train-section overrides for every config of a setup that names it (NAME:TARGET:TRAIN:HELDOUT:BASE)
