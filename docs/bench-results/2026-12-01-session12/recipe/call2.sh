@@ -7,7 +7,7 @@
 # 500-step schedule (the schedule of sessions 8-11; the 2x partner is 1000 steps, at nice -5 as the longest),
 # seeds 0 and 1, eval every 100; then times the shapes alone (alone.py: the starts after the study, all at
 # once, each stopped after its first step, then resumed one at a time).  lr 1.2e-3 is left out (call 1: below
-# the base at every eval of both seeds).
+# the base from step 200 on, on both seeds).
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
