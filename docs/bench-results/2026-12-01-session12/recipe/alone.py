@@ -33,8 +33,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-import recipe_study as rs  # noqa: E402
 import yaml  # noqa: E402
+
+import recipe_study as rs  # noqa: E402
 
 
 def records(run: Path) -> list[dict]:
