@@ -44,7 +44,8 @@ class PrecomputeConfig:
     target_layers: list[int] | None = opt(
         None, "0-based target layers to capture, e.g. 1,9,17,25,33 (the output of layer i); "
         "default: evenly spaced for --num-draft-layers, never the last layer (docs/DESIGN.md §2).")
-    num_draft_layers: int = opt(5, "Drafter depth the default target layers are chosen for.")
+    num_draft_layers: int = opt(3, "Drafter depth the default target layers are chosen for (as `dflash train "
+                                "--num-layers`, default 3).")
     max_length: int = opt(2048, "Samples longer than this many tokens are truncated (and counted).")
     topk: int = opt(8, "Target top-k log-probs stored per position, for KD; 0 = off.")
     hidden_dtype: str = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
@@ -79,7 +80,8 @@ class TrainConfig:
     gpus: str = opt("cpu:1", "'5,6,7' = one process per GPU; 'cpu:N' = N CPU processes (gloo).")
     # drafter shape
     block_size: int = opt(16, "Tokens per drafted block.")
-    num_layers: int = opt(1, "Drafter layers.")
+    num_layers: int = opt(3, "Drafter layers.  3: the best measured tau per GPU-second and per FLOP at block 16 "
+                          "(docs/RECIPE.md, setup c); 5 is the published z-lab layout.")
     mask_token_id: int | None = opt(None, "Token id of the masked block positions; default a spare id of the "
                                     "target's embedding table.")
     target_layers: list[int] | None = opt(None, "Target layers the drafter reads; default (and required) the "

@@ -29,6 +29,16 @@ def test_flags_win_over_params_yaml_which_wins_over_defaults(tmp_path):
     assert build_config(PrecomputeConfig, p, {}).target_layers == [1, 2]
 
 
+def test_the_default_store_feeds_the_default_drafter():
+    """Precompute's default target layers are chosen for train's default depth (docs/RECIPE.md: 3 layers
+    reading 3 target layers), and the default store never holds the target's last layer."""
+    from dflash.target.files import default_target_layers
+
+    depth = TrainConfig().num_layers
+    assert PrecomputeConfig().num_draft_layers == depth == 3
+    assert default_target_layers(36, depth) == [1, 17, 33]  # Qwen3-8B: 36 layers, the last (35) never taken
+
+
 def test_unknown_or_bad_params_are_named(tmp_path):
     p = tmp_path / "params.yaml"
     p.write_text("train:\n  lrr: 0.1\n")
