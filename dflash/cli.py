@@ -181,8 +181,21 @@ def eval_(config, **flags):
     cfg = build_config(EvalConfig, _config_path(config), flags, explicit=config is not None)
     if not cfg.store and not cfg.prompts:
         raise click.UsageError("give --store HELDOUT_STORE (offline) or --prompts PATH --target DIR (online).")
-    result = run_eval(cfg)
-    click.echo(f"tau = {result['tau']:.3f}" + (f", lossless = {result['lossless']}" if "lossless" in result else ""))
+    click.echo(eval_summary(run_eval(cfg)))
+
+
+def eval_summary(result: dict) -> str:
+    """One line per kind of tau the eval measured, each named: with both a store and prompts, the top-level
+    `tau` of the JSON is the offline one, which is not the online tau a user asked --prompts for."""
+    lines = []
+    if "offline" in result:
+        off = result["offline"]
+        lines.append(f"offline tau = {off['tau']:.3f} over {off['num_samples']} held-out samples ({off['store']})")
+    if "online" in result:
+        on = result["online"]
+        lines.append(f"online tau = {on['tau']:.3f} over {on['num_prompts']} prompts, speed-up "
+                     f"{on['speedup']:.2f}x, lossless = {result['lossless']}")
+    return "\n".join(lines)
 
 
 @main.command()

@@ -208,8 +208,11 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "lossless = True" in proc.stdout
     result = json.loads(out.read_text())
+    # each tau printed under its own name: the top-level JSON tau is the offline one
+    assert f"offline tau = {result['offline']['tau']:.3f} over 3 held-out samples" in proc.stdout, proc.stdout
+    assert f"online tau = {result['online']['tau']:.3f} over 3 prompts" in proc.stdout, proc.stdout
+    assert "lossless = True" in proc.stdout
     assert result["lossless"] is True and 1.0 <= result["tau"] <= B
     assert result["offline"]["num_samples"] == 3 and result["online"]["num_prompts"] == 3
     assert (out.parent / "acceptance.csv").read_text().splitlines()[0] == "position,acceptance"
