@@ -1,4 +1,4 @@
-"""One real training step of a Qwen3-8B-shaped 5-layer DFlash drafter on one GPU, against the baseline
+"""One real training step of a Qwen3-8B-shaped DFlash drafter (5 layers unless --layers) on one GPU, against the baseline
 that builds its BlockMask with `create_block_mask` every step.
 
     python bench/train_step.py [--tiny] [--steps 20] [--warmup 3]
@@ -27,6 +27,7 @@ from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s
 from dflash import masks
 from dflash.config import TrainConfig
 from dflash.model import DrafterConfig
+from dflash.target.files import default_target_layers
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import IGNORE, block_loss
 from dflash.train.step import TrainStep
@@ -42,6 +43,14 @@ from step_workload import (
 )
 
 
+def target_layers(d: dict, layers: int) -> list[int]:
+    """The target layers a drafter of this depth reads: the shape's own list at its length, else what
+    `dflash precompute` captures by default for that many drafter layers (so --layers 3 reads 3 layers)."""
+    if len(d["target_layer_ids"]) == layers:
+        return d["target_layer_ids"]
+    return default_target_layers(d["num_hidden_layers"], layers)
+
+
 class Bench:
     def __init__(self, args, tiny: bool, device: str, shape: str | None = None):
         self.args, self.tiny, self.device = args, tiny, device
@@ -50,7 +59,7 @@ class Bench:
             hidden_size=d["hidden_size"], num_hidden_layers=args.layers, num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
             intermediate_size=d["intermediate_size"], vocab_size=d["vocab_size"],
-            num_target_layers=d["num_hidden_layers"], target_layer_ids=d["target_layer_ids"],
+            num_target_layers=d["num_hidden_layers"], target_layer_ids=target_layers(d, args.layers),
             mask_token_id=d["vocab_size"] - 1, block_size=args.block_size,
             layer_types=getattr(args, "layer_types", None), sliding_window=getattr(args, "sliding_window", None))
         if getattr(args, "arch", "dflash") != "dflash":  # --arch dflash2: the released knobs (docs/DESIGN.md §11)
@@ -239,6 +248,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
     res.set(f"{key}_config", {"rows_per_batch": R, "S": S, "Q": Q, "samples_per_row": k, "block_size": B,
                               "anchors_per_sample": Q // (B * k), "distinct_batches": len(batches),
                               "layers": bench.cfg.num_hidden_layers, "hidden": bench.cfg.hidden_size,
+                              "target_layer_ids": bench.cfg.target_layer_ids,
                               "ctx_width": width, "vocab": bench.cfg.vocab_size, "drafter_params": bench.n_params,
                               "compiled": bench.compiled, "lm_head_chunk": args.lm_head_chunk,
                               "batch_build_s": round(time.perf_counter() - t, 2)})
