@@ -53,8 +53,8 @@ CONFIGS: dict[str, dict] = {
                      "weight_decay": 0.01, "min_lr_ratio": 0.0, "num_workers": 4, "steps": 1000},
     # session 12, setup c (base cli5: block 16, 5 layers, token budget = block budget 4096, 1 row per batch)
     "c_base": {},  # the CLI's defaults for a real target, at README's 8B layer count
-    "c_l1": {"num_layers": 1},  # the CLI's --num-layers default
-    "c_l3": {"num_layers": 3},
+    "c_l1": {"num_layers": 1},  # the CLI's --num-layers default until session 12
+    "c_l3": {"num_layers": 3},  # the CLI's --num-layers default since session 12
     "c_b8": {"block_size": 8},  # gamma follows the block (4); the block budget then holds 2x the blocks
     "c_rows4": {"rows_per_batch": 4},  # README's 8B example: 4 packed rows per micro-batch
     "c_bb16384": {"block_budget": 16384},  # 4x the block tokens per row: more samples per row
@@ -64,6 +64,9 @@ CONFIGS: dict[str, dict] = {
     "c_lr1.2e-3": {"lr": 1.2e-3},
     "c_2x": {"steps": 2000},  # the base for 2x the steps (needs --steps 1000 for the others)
     "c_base_1000": {"steps": 1000},  # session 12, call 2: the base for 2x the steps of --steps 500
+    # session 13: 3 layers past 500 steps, and at the 5-layer run's GPU-seconds (0.68x the step: 1500 ~ 1000 x 5 layers)
+    "c_l3_1000": {"num_layers": 3, "steps": 1000},
+    "c_l3_1500": {"num_layers": 3, "steps": 1500},
 }
 
 # name -> train-section overrides for every config of a setup that names it (NAME:TARGET:TRAIN:HELDOUT:BASE)
