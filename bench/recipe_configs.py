@@ -67,6 +67,7 @@ CONFIGS: dict[str, dict] = {
     # session 13: 3 layers past 500 steps, and at the 5-layer run's GPU-seconds (0.68x the step: 1500 ~ 1000 x 5 layers)
     "c_l3_1000": {"num_layers": 3, "steps": 1000},
     "c_l3_1500": {"num_layers": 3, "steps": 1500},
+    "c_l3_b8": {"num_layers": 3, "block_size": 8},  # block 8 at the default depth (online tau and speed-up decide)
 }
 
 # name -> train-section overrides for every config of a setup that names it (NAME:TARGET:TRAIN:HELDOUT:BASE)
