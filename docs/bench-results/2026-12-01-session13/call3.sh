@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Session 13, H200 call 3: block 8 against block 16 at the default depth (3 layers), 500 steps, setup c made
 # again as in call 2; online tau and speed-up (50 held-out prompts) for both seeds of both.
-# (50 held-out prompts, lossless checked) for seed 0 of each config.  6 runs at once.
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
