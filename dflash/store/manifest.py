@@ -44,6 +44,7 @@ STATUS = "status.json"
 # (manifest key, nested key or None, human name) compared by create_or_check_manifest.
 IDENTITY_FIELDS = (
     ("target", "config_hash", "target config hash"),
+    ("target", "weights_fingerprint", "target weights fingerprint (same architecture, other weights)"),
     ("target", "hidden_size", "target hidden size"),
     ("target", "num_hidden_layers", "target layer count"),
     ("tokenizer_hash", None, "tokenizer / chat template hash"),
@@ -73,6 +74,9 @@ def _get(m: dict, key: str, sub: str | None):
 
 # What a part of its own may change (parts.py): the dataset it captured and its shard count.
 DATA_FIELDS = ("dataset_fingerprint", "num_shards")
+# Recorded since session 13: a store made before has none, and a checkpoint without safetensors gives
+# none; the field is compared only when both sides have it.
+IF_RECORDED = ("weights_fingerprint",)
 
 
 def manifest_differences(old: dict, new: dict, data: bool = True) -> list[str]:
@@ -82,6 +86,8 @@ def manifest_differences(old: dict, new: dict, data: bool = True) -> list[str]:
         if not data and key in DATA_FIELDS:
             continue
         a, b = _get(old, key, sub), _get(new, key, sub)
+        if (sub or key) in IF_RECORDED and (a is None or b is None):
+            continue
         if a != b:
             diffs.append(f"{name}: store has {a!r}, this run has {b!r}")
     return diffs
@@ -246,6 +252,9 @@ def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer
         ("vocab size", tgt.get("vocab_size"), identity.get("vocab_size")),
         ("tokenizer / chat template hash", manifest.get("tokenizer_hash"), tok_hash),
     ]
+    ours, theirs = tgt.get("weights_fingerprint"), identity.get("weights_fingerprint")
+    if ours is not None and theirs is not None:
+        checks.append(("target weights fingerprint (same architecture, other weights)", ours, theirs))
     if target_layer_ids is not None:
         checks.append(("target_layer_ids", list(manifest.get("target_layer_ids") or []), list(target_layer_ids)))
     diffs = [f"{name}: store has {a!r}, expected {b!r}" for name, a, b in checks if a != b]

@@ -82,7 +82,49 @@ def target_identity(target_dir: str | Path) -> dict:
         "hidden_size": cfg.get("hidden_size"),
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "vocab_size": cfg.get("vocab_size"),
+        "weights_fingerprint": weights_fingerprint(p),
     }
+
+
+def weights_fingerprint(target_dir: str | Path) -> str | None:
+    """sha256 over every tensor's name, dtype, shape and three sampled slices (first, middle, last row).
+
+    Two checkpoints of one architecture (a base model and its fine-tune, two training runs) share config
+    and tokenizer but give other hidden states; a store made from one feeds the other's drafter features
+    it never sees when served.  Sampling reads ~3 rows per tensor, not the weights, and is independent of
+    how the checkpoint is split into files.  None for a checkpoint without safetensors (nothing to read).
+    """
+    from safetensors import safe_open
+
+    p = Path(target_dir)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        return None
+    digests = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    sl = fh.get_slice(name)
+                    shape = list(sl.get_shape())
+                    d = hashlib.sha256(f"{name}|{sl.get_dtype()}|{shape}".encode())
+                    for part in _sampled_rows(fh, name, sl, shape):
+                        d.update(part.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                    digests[name] = d.hexdigest()
+        except Exception as e:  # safetensors raises several types for a bad file
+            raise TargetError(f"target weights {f} cannot be read ({e}); re-download or re-save the checkpoint.") from None
+    h = hashlib.sha256()
+    for name in sorted(digests):  # file order and split do not matter
+        h.update(f"{name}={digests[name]};".encode())
+    return h.hexdigest()
+
+
+def _sampled_rows(fh, name: str, sl, shape: list[int]) -> list[torch.Tensor]:
+    if not shape or 0 in shape:
+        return [fh.get_tensor(name).reshape(-1)]
+    n = shape[0]
+    w = min(n, 256) if len(shape) == 1 else 1  # a 1-D tensor's "row" is a window of its values
+    return [sl[i : i + w] for i in sorted({0, max(0, n // 2 - w // 2), n - w})]
 
 
 def tokenizer_hash(target_dir: str | Path) -> str:

@@ -307,6 +307,47 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, targets, monkeypatch):
     assert again.exit_code == 0 and "already complete" in again.output and "starting it over" not in again.output
 
 
+def test_a_store_of_other_weights_is_refused(tmp_path, targets, monkeypatch):
+    """Same config and tokenizer, other weights, at the same path: the store is not taken as complete
+    (session 13's recipe call trained and decoded against two copies of a target that way)."""
+    import shutil
+
+    import transformers
+
+    from dflash.target.files import target_identity, weights_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    data = make_conversations_jsonl(tmp_path / "d.jsonl", 6)
+    target = tmp_path / "target"
+    shutil.copytree(targets["qwen3"], target)
+    store = build_store(tmp_path / "s", target, data)
+    before = store_arrays(store)
+    # the same checkpoint split into several files: the same fingerprint, so the store resumes (no-op)
+    model = transformers.AutoModelForCausalLM.from_pretrained(targets["qwen3"])
+    resplit = tmp_path / "resplit"
+    shutil.copytree(targets["qwen3"], resplit)  # its tokenizer files as they are
+    (resplit / "model.safetensors").unlink()
+    model.save_pretrained(resplit, max_shard_size="100KB")
+    assert len(list(resplit.glob("*.safetensors"))) > 2
+    assert weights_fingerprint(resplit) == weights_fingerprint(target)
+    base = ["--data", data, "--out", store, "--gpus", "cpu", "--max-length", "256", "--topk", "4", "--target-layers", "1,2"]
+    ok = CliRunner().invoke(main, ["precompute", "--target", str(resplit), *map(str, base)])
+    assert ok.exit_code == 0 and "already complete" in ok.output, ok.output
+    # other weights (another seed), same config and tokenizer, put where the first target was
+    other = make_tiny_target(tmp_path, seed=1, name="other")
+    assert target_identity(other)["config_hash"] == target_identity(target)["config_hash"]
+    shutil.rmtree(target)
+    shutil.copytree(other, target)
+    out = _cli("--target", target, *base)
+    assert "target weights fingerprint" in out and "--overwrite" in out
+    for name in ("resume", "append"):
+        flag = ["--append"] if name == "append" else []
+        out = _cli("--target", target, *base, *flag)
+        assert "target weights fingerprint" in out
+    assert verify_store(store).ok
+    assert Same(store_arrays(store)) == before  # refused runs left every sample as it was
+
+
 @pytest.mark.slow
 def test_a_failing_shard_fails_the_command(tmp_path, targets, monkeypatch):
     import shutil

@@ -284,6 +284,23 @@ def test_compare_manifest_names_mismatches():
     assert "number of target layers" not in msg
 
 
+def test_weights_fingerprint_is_compared_only_where_recorded(tmp_path):
+    """A store's target weights fingerprint refuses another checkpoint of the same architecture; a store
+    written before the fingerprint existed (or a target without safetensors) is not refused for lacking it."""
+    fp = {**manifest()["target"], "weights_fingerprint": "a" * 64}
+    m = manifest(target=fp)
+    with pytest.raises(StoreError, match="weights fingerprint"):
+        compare_manifest(m, {**fp, "weights_fingerprint": "b" * 64}, "tok", [1, 2])
+    compare_manifest(m, {**fp, "weights_fingerprint": None}, "tok", [1, 2])
+    compare_manifest(manifest(), {**fp, "weights_fingerprint": "b" * 64}, "tok", [1, 2])
+    root = tmp_path / "s"
+    create_or_check_manifest(root, manifest())  # an older store: no fingerprint recorded
+    create_or_check_manifest(root, manifest(target=fp))
+    create_or_check_manifest(tmp_path / "t", m)
+    with pytest.raises(StoreError, match="weights fingerprint"):
+        create_or_check_manifest(tmp_path / "t", manifest(target={**fp, "weights_fingerprint": "b" * 64}))
+
+
 def test_missing_store_named(tmp_path):
     with pytest.raises(StoreError, match="nope"):
         open_store(tmp_path / "nope")

@@ -235,6 +235,11 @@ def test_mismatched_store_is_refused(counting, tmp_path):
     target, _ = counting
     with pytest.raises(StoreError, match="target_layer_ids"):
         launch_train(_cfg(target, store, tmp_path / "run", target_layers=[0, 3]))
+    # the store's target was taught to count after it was made: the untaught checkpoint has its config
+    # and tokenizer but other weights, so its hidden states are not the store's
+    untaught = make_tiny_target(tmp_path, name="untaught")
+    with pytest.raises(StoreError, match="weights fingerprint"):
+        launch_train(_cfg(untaught, store, tmp_path / "run"))
     assert not (tmp_path / "run").exists()  # nothing written
 
 
