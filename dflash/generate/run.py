@@ -56,7 +56,7 @@ def _check_config(cfg: GenerateConfig) -> None:
 def _target_inputs(target: str) -> dict:
     from dflash.target.files import target_identity, tokenizer_hash
 
-    ident = target_identity(target)
+    ident = target_identity(target, weights=False)
     weights = sorted((f.name, f.stat().st_size) for f in Path(target).glob("*.safetensors"))
     return {"config_hash": ident["config_hash"], "tokenizer_hash": tokenizer_hash(target),
             "weights": hashlib.sha256(json.dumps(weights).encode()).hexdigest()}

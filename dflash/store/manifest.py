@@ -41,10 +41,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STATUS = "status.json"
 
+WEIGHTS_FINGERPRINT = "target weights fingerprint (same architecture, other weights)"
+
 # (manifest key, nested key or None, human name) compared by create_or_check_manifest.
 IDENTITY_FIELDS = (
     ("target", "config_hash", "target config hash"),
-    ("target", "weights_fingerprint", "target weights fingerprint (same architecture, other weights)"),
+    ("target", "weights_fingerprint", WEIGHTS_FINGERPRINT),
     ("target", "hidden_size", "target hidden size"),
     ("target", "num_hidden_layers", "target layer count"),
     ("tokenizer_hash", None, "tokenizer / chat template hash"),
@@ -254,7 +256,7 @@ def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer
     ]
     ours, theirs = tgt.get("weights_fingerprint"), identity.get("weights_fingerprint")
     if ours is not None and theirs is not None:
-        checks.append(("target weights fingerprint (same architecture, other weights)", ours, theirs))
+        checks.append((WEIGHTS_FINGERPRINT, ours, theirs))
     if target_layer_ids is not None:
         checks.append(("target_layer_ids", list(manifest.get("target_layer_ids") or []), list(target_layer_ids)))
     diffs = [f"{name}: store has {a!r}, expected {b!r}" for name, a, b in checks if a != b]

@@ -64,8 +64,9 @@ def target_config(target_dir: str | Path, trust_remote_code: bool = False):
         raise TargetError(f"cannot load the config of target {p}: {e}") from None
 
 
-def target_identity(target_dir: str | Path) -> dict:
-    """What a store records about its target, and what training compares against."""
+def target_identity(target_dir: str | Path, weights: bool = True) -> dict:
+    """What a store records about its target, and what training compares against (`weights=False`: without
+    the weights fingerprint, for callers that never compare it)."""
     p = _target_dir(target_dir)
     raw = _read_config_json(p)
     cfg = _text_config(raw)
@@ -82,7 +83,7 @@ def target_identity(target_dir: str | Path) -> dict:
         "hidden_size": cfg.get("hidden_size"),
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "vocab_size": cfg.get("vocab_size"),
-        "weights_fingerprint": weights_fingerprint(p),
+        "weights_fingerprint": weights_fingerprint(p) if weights else None,
     }
 
 
