@@ -56,6 +56,9 @@ class PrecomputeConfig:
     store_chunk_tokens: int | None = opt(None, "Zarr inner chunk in tokens; default ~4 MB of hidden states.")
     split: str = opt("train", "Split to read from a saved DatasetDict.")
     max_samples: int | None = opt(None, "Read only the first N rows (smoke tests).")
+    render_workers: int | None = opt(None, "Processes per shard that render rows (chat template + tokenizer) ahead "
+                                     "of the capture; 0 renders inline. Default: on a GPU, the host's cores per "
+                                     "shard less 2, at most 8; on the CPU, 0.")
     dtype: str = opt("auto", "Target compute dtype: auto = bf16 on GPU, fp32 on CPU.", ("auto", "bf16", "fp32"))
     compile: str = opt("auto", "torch.compile the top-k log-prob reduction (auto: on for CUDA).", AUTO_ON_OFF)
     writer: str = opt("process", "Where the store is written: a process per shard (keeps the GIL free for the "

@@ -26,8 +26,9 @@ import torch
 from tqdm import tqdm
 
 from dflash import hostgc
-from dflash.chat import conversation_of, load_rows, render
+from dflash.chat import load_rows
 from dflash.config import PrecomputeConfig
+from dflash.precompute.render_pool import RenderPool, auto_workers
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
 from dflash.store.parts import Part, part_path, part_rows
@@ -124,21 +125,21 @@ def run_shard(job: ShardJob) -> dict:
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
         mode = (job.writer or cfg.writer) if job.pipelined else "serial"
         frozen = False
-        with open_sink(writer_args, device, mode, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
+        workers = cfg.render_workers if cfg.render_workers is not None else auto_workers(device.type, job.num_shards)
+        with open_sink(writer_args, device, mode, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct, \
+                RenderPool(cfg, tokenizer, ds, workers, WINDOW) as pool:
             done = sink.committed_sample_ids()  # resume: the samples already committed
             t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
-            for w0 in range(0, len(rows), WINDOW):
-                window = rows[w0 : w0 + WINDOW]
+            for rendered in pool.windows(rows):
                 samples = []
-                for r in window:
-                    rd = render(tokenizer, conversation_of(ds[r], r, cfg.data), cfg.max_length, where=f"dataset {cfg.data}, row {r}")
+                for r, rd in rendered:
                     if not any(rd.loss_mask):  # nothing to learn: no reply, or --max-length cut it all away
                         stats["cut_away" if rd.truncated else "skipped"] += 1
                         continue
                     stats["truncated"] += rd.truncated
                     samples.append((r, rd))
-                bar.update(len(window) - len(samples))
+                bar.update(len(rendered) - len(samples))
                 for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
                     members = [samples[i] for i in batch]
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if id_base + r not in done]
@@ -156,6 +157,8 @@ def run_shard(job: ShardJob) -> dict:
                     bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
                     _exit_if_orphaned(job)  # the launcher was killed: stop at a batch boundary, a rerun resumes
             bar.close()
+            stats["loop_s"] = round(time.time() - t_loop, 3)  # rendering + capture + writes, start-up excluded
+            stats["render_workers"] = workers
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["gc_s"] = round(gct.total_s, 3)
             stats["device"] = str(device)
