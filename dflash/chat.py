@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.errors import DataError
+from dflash.jsonl import jsonl_lines
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SHAREGPT_ROLES = {
@@ -81,7 +82,7 @@ def _check_json_file(f: Path) -> None:
             return
         except json.JSONDecodeError:
             pass  # maybe JSON lines under a .json name: the line scan below says where it breaks
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -18,6 +18,7 @@ import torch
 
 from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
+from dflash.jsonl import jsonl_lines
 from dflash.paths import portable
 from dflash.train.epochs import wait_for_manifest
 from dflash.train.loader import LoaderSpec
@@ -150,7 +151,7 @@ def truncate_metrics(path: Path, last_step: int) -> list[dict]:
     if not path.is_file():
         return []
     kept = []
-    for line in path.read_text().splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:  # a line torn by the kill
