@@ -1,4 +1,5 @@
-"""`precompute --skip-bad-rows`: where a row left out came from, and the report that lists them.
+"""precompute's row pre-pass (every row checked before the store exists) and `--skip-bad-rows`: where a
+row left out came from, and the report that lists them.
 
 A row is bad when dflash cannot use it: an unknown format or role, a content that is not text, a chat
 template that refuses the conversation, an assistant reply not found in the render (dflash.errors.RowError).
@@ -15,11 +16,73 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.chat import data_files
+from tqdm import tqdm
+
+from dflash.chat import check_renders, conversation_key, conversation_of, data_files, render
+from dflash.config import PrecomputeConfig
+from dflash.errors import DataError, RowError
 from dflash.jsonl import jsonl_lines
 from dflash.store.durable import atomic_write_bytes
 
 REPORT = "skipped_rows.jsonl"
+CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
+PREPASS_BAR_ROWS = 5000  # the row pre-pass shows a progress bar from this many rows
+
+
+def _check_row(cfg: PrecomputeConfig, row, i: int, tokenizer, held, seen: dict) -> bytes:
+    """One row's checks (RowError when it is bad); returns its content key."""
+    msgs = conversation_of(row, i, cfg.data)
+    key = conversation_key(msgs)
+    if key in held:
+        seen["assistant"] += 1
+        return key
+    where = f"dataset {cfg.data}, row {i}"
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        check_renders(tokenizer, msgs, where)  # a shard renders it too: a refusal must come now
+        return key
+    seen["assistant"] += 1
+    if seen["rendered"] < CHECK_RENDER_ROWS or not seen["supervised"]:
+        r = render(tokenizer, msgs, cfg.max_length, where=where)
+        seen["supervised"] = seen["supervised"] or any(r.loss_mask)
+        seen["rendered"] += 1
+    else:
+        check_renders(tokenizer, msgs, where)
+    return key
+
+
+def check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset()) -> tuple[list, list[dict]]:
+    """Before the store exists: every row has a known format and renders through the chat template with
+    its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
+    are skipped), the first rows render in full, and some row has something to supervise.  Returns each
+    row's content key (what an append matches conversations on; None for a row --skip-bad-rows leaves
+    out) and the rows left out, each with its reason."""
+    seen = {"assistant": 0, "rendered": 0, "supervised": False}
+    keys, bad = [], []
+    bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
+    for i, row in enumerate(ds):
+        try:
+            keys.append(_check_row(cfg, row, i, tokenizer, held, seen))
+        except RowError as e:
+            if not cfg.skip_bad_rows:
+                raise RowError(f"{e} Or pass --skip-bad-rows to capture the other rows and list this one in "
+                               f"{Path(cfg.out) / REPORT}.", e.kind) from None
+            keys.append(None)
+            bad.append({"row": i, "kind": e.kind, "reason": str(e)})
+        bar.update(1)
+    bar.close()
+    seen["supervised"] = seen["supervised"] or bool(held)
+    if bad:
+        locate = row_locator(cfg.data)
+        bad = [{"row": b["row"], **locate(b["row"]), "kind": b["kind"], "reason": b["reason"]} for b in bad]
+    if not seen["assistant"] or not seen["supervised"]:
+        raise DataError(
+            f"no sample of dataset {cfg.data} has a supervised token: "
+            + ("the data has no assistant turns" if not seen["assistant"] else "the chat template renders no assistant tokens")
+            + f" (checked {len(ds)} rows" + (f", {len(bad)} of them bad and skipped" if bad else "") + "). The "
+            "drafter learns from assistant tokens only; give conversations with assistant replies, or a target "
+            "whose chat template renders them."
+        )
+    return keys, bad
 
 
 def row_locator(path: str | Path):
@@ -76,4 +139,4 @@ def kinds(records: list[dict]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-__all__ = ["REPORT", "kinds", "row_locator", "write_report"]
+__all__ = ["REPORT", "check_rows", "kinds", "row_locator", "write_report"]

@@ -23,14 +23,13 @@ import traceback
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from dflash.chat import check_renders, conversation_key, conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import dataset_fingerprint, load_rows
 from dflash.config import PrecomputeConfig, to_dict
-from dflash.errors import ConfigError, DataError, DFlashError, RowError, TargetError
+from dflash.errors import ConfigError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
-from dflash.precompute.badrows import REPORT, row_locator
+from dflash.precompute.badrows import REPORT, check_rows
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, supervise
@@ -39,10 +38,6 @@ from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
 from dflash.target.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
-
-CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
-PREPASS_BAR_ROWS = 5000  # the row pre-pass shows a progress bar from this many rows
-
 
 # ---------------------------------------------------------------------------------------------- checks
 
@@ -98,62 +93,6 @@ def _held_keys(cfg: PrecomputeConfig, tok_hash: str) -> set[bytes]:
         return set()
 
 
-def _check_row(cfg: PrecomputeConfig, row, i: int, tokenizer, held, seen: dict) -> bytes:
-    """One row's checks (RowError when it is bad); returns its content key."""
-    msgs = conversation_of(row, i, cfg.data)
-    key = conversation_key(msgs)
-    if key in held:
-        seen["assistant"] += 1
-        return key
-    where = f"dataset {cfg.data}, row {i}"
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-        check_renders(tokenizer, msgs, where)  # a shard renders it too: a refusal must come now
-        return key
-    seen["assistant"] += 1
-    if seen["rendered"] < CHECK_RENDER_ROWS or not seen["supervised"]:
-        r = render(tokenizer, msgs, cfg.max_length, where=where)
-        seen["supervised"] = seen["supervised"] or any(r.loss_mask)
-        seen["rendered"] += 1
-    else:
-        check_renders(tokenizer, msgs, where)
-    return key
-
-
-def _check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset()) -> tuple[list, list[dict]]:
-    """Before the store exists: every row has a known format and renders through the chat template with
-    its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
-    are skipped), the first rows render in full, and some row has something to supervise.  Returns each
-    row's content key (what an append matches conversations on; None for a row --skip-bad-rows leaves
-    out) and the rows left out, each with its reason."""
-    seen = {"assistant": 0, "rendered": 0, "supervised": False}
-    keys, bad = [], []
-    bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
-    for i, row in enumerate(ds):
-        try:
-            keys.append(_check_row(cfg, row, i, tokenizer, held, seen))
-        except RowError as e:
-            if not cfg.skip_bad_rows:
-                raise RowError(f"{e} Or pass --skip-bad-rows to capture the other rows and list this one in "
-                               f"{Path(cfg.out) / REPORT}.", e.kind) from None
-            keys.append(None)
-            bad.append({"row": i, "kind": e.kind, "reason": str(e)})
-        bar.update(1)
-    bar.close()
-    seen["supervised"] = seen["supervised"] or bool(held)
-    if bad:
-        locate = row_locator(cfg.data)
-        bad = [{"row": b["row"], **locate(b["row"]), "kind": b["kind"], "reason": b["reason"]} for b in bad]
-    if not seen["assistant"] or not seen["supervised"]:
-        raise DataError(
-            f"no sample of dataset {cfg.data} has a supervised token: "
-            + ("the data has no assistant turns" if not seen["assistant"] else "the chat template renders no assistant tokens")
-            + f" (checked {len(ds)} rows" + (f", {len(bad)} of them bad and skipped" if bad else "") + "). The "
-            "drafter learns from assistant tokens only; give conversations with assistant replies, or a target "
-            "whose chat template renders them."
-        )
-    return keys, bad
-
-
 def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Rows]:
     """Validate everything and return (manifest, layer ids, the rows' keys) without touching the store."""
     _check_config(cfg, num_shards)
@@ -172,7 +111,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     if problem:  # a store train would refuse: say so before capturing it (docs/DESIGN.md §2)
         raise ConfigError(f"--target-layers: {problem}")
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
-    keys, bad = _check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
+    keys, bad = check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
         "target": {**identity, "path": portable(cfg.target, cfg.out)},
