@@ -19,7 +19,7 @@ def main(run: str, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().split("\n") if line.strip()]
     t, clock = [], 0.0
     for r in recs:
         clock += r["ctx_tokens"] / r["ctx_tokens_per_s"] if r["ctx_tokens_per_s"] else 0.0

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from common import QWEN3_8B, ROOT, Results, out_dir, tiny_mode, work_dir
+from dflash.jsonl import jsonl_lines
 
 sys.path.insert(0, str(ROOT / "tests"))
 
@@ -111,7 +112,7 @@ def main() -> None:
     target = make_target(w / "target", tiny)
     data = make_data(w / "chats.jsonl", n, tiny)
     initial = w / "initial.jsonl"
-    initial.write_text("".join(data.read_text().splitlines(keepends=True)[:first_n]))
+    initial.write_text("".join(line + "\n" for line in jsonl_lines(data.read_text())[:first_n]))
     res.set("setup_s", round(time.perf_counter() - t, 1))
     gpus = "cpu" if tiny else "0"
     layers = "1,2" if tiny else ",".join(map(str, QWEN3_8B["target_layer_ids"]))
@@ -164,7 +165,7 @@ def main() -> None:
     finally:
         trainer.kill()
         trainer.wait()
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    rows = [json.loads(x) for x in jsonl_lines(metrics.read_text())]
     res.set("train", {"before_append": rate(rows[a.warm_steps // 2 : before]), "while_append": rate(rows[before:during]),
                       "after_append": rate(rows[during:]), "marks_every_s": 0.5, "marks": marks[::4]})
     shutil.copy(metrics, out / "follow_metrics.jsonl")

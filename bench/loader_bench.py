@@ -33,6 +33,7 @@ import torch
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 from common import ROOT, Results, dims, elapsed, make_fake_target, median, out_dir, part_limit_s, tiny_mode, work_dir
+from dflash.jsonl import jsonl_lines
 from dflash.train.trainer import HOST_PHASES
 
 TOPK = 8
@@ -211,7 +212,7 @@ def _records(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     recs = []
-    for line in path.read_text().splitlines():
+    for line in jsonl_lines(path.read_text()):
         try:
             recs.append(json.loads(line))
         except json.JSONDecodeError:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash.jsonl import jsonl_lines
 from recipe_configs import CONFIGS, SETUP_BASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def run_one(job: dict) -> dict:
                   timeout=timeout)
     except TimedOut as e:  # record the curve so far (the schedule had not ended: not a final tau)
         wall, partial = timeout, str(e)
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in jsonl_lines((run / "metrics.jsonl").read_text())
             if line.strip().endswith("}")]
     # The step on the device's timeline (end of the previous step to end of this one: idle gaps included),
     # from its ctx tokens and rate; the median over steps after the first 10 is the steady-state step.

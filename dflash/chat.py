@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.errors import DataError
+from dflash.errors import DataError, RowError
+from dflash.jsonl import jsonl_lines
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SHAREGPT_ROLES = {
@@ -81,7 +82,7 @@ def _check_json_file(f: Path) -> None:
             return
         except json.JSONDecodeError:
             pass  # maybe JSON lines under a .json name: the line scan below says where it breaks
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:
@@ -174,7 +175,8 @@ def _text(value, where: str) -> str:
             return "".join(str(v.get("text") or "") for v in value if v.get("type", "text") == "text")
     if value is None:
         return ""
-    raise DataError(f"{where}: content is a {type(value).__name__}, expected a string; fix the dataset.")
+    raise RowError(f"{where}: content is a {type(value).__name__}, expected a string; fix the dataset.",
+                   "content not a string")
 
 
 def conversation_of(row: dict, row_idx: int, path) -> list[dict]:
@@ -183,27 +185,31 @@ def conversation_of(row: dict, row_idx: int, path) -> list[dict]:
     if row.get("messages") is not None:
         turns = row["messages"]
         if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects.")
+            raise RowError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects.",
+                           "no turns")
         out = []
         for j, m in enumerate(turns):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise DataError(f"{where}: messages[{j}] has no string `role`; each message needs role and content.")
+                raise RowError(f"{where}: messages[{j}] has no string `role`; each message needs role and content.",
+                               "turn without role")
             out.append({"role": m["role"], "content": _text(m.get("content"), f"{where}, messages[{j}]")})
         return out
     if row.get("conversations") is not None:
         turns = row["conversations"]
         if not isinstance(turns, list) or not turns:
-            raise DataError(f"{where}: `conversations` must be a non-empty list of {{from, value}} objects.")
+            raise RowError(f"{where}: `conversations` must be a non-empty list of {{from, value}} objects.",
+                           "no turns")
         out = []
         for j, m in enumerate(turns):
             if not isinstance(m, dict):
-                raise DataError(f"{where}: conversations[{j}] is not an object with `from` and `value`.")
+                raise RowError(f"{where}: conversations[{j}] is not an object with `from` and `value`.",
+                               "turn not an object")
             who = m.get("from", m.get("role"))
             role = SHAREGPT_ROLES.get(str(who).lower()) if who is not None else None
             if role is None:
-                raise DataError(
+                raise RowError(
                     f"{where}: conversations[{j}] has from={who!r}; ShareGPT turns must come from "
-                    f"{', '.join(sorted(SHAREGPT_ROLES))}."
+                    f"{', '.join(sorted(SHAREGPT_ROLES))}.", "unknown role"
                 )
             value = m.get("value", m.get("content"))
             out.append({"role": role, "content": _text(value, f"{where}, conversations[{j}]")})
@@ -214,9 +220,10 @@ def conversation_of(row: dict, row_idx: int, path) -> list[dict]:
         out.append({"role": "assistant", "content": _text(row["response"], f"{where}, response")})
         return out
     present = sorted(k for k, v in row.items() if v is not None)
-    raise DataError(
+    raise RowError(
         f"{where}: unknown conversation format (fields found: {', '.join(present) or 'none'}). Give each row "
-        "`messages` ([{role, content}]), ShareGPT `conversations` ([{from, value}]) or `prompt` and `response`."
+        "`messages` ([{role, content}]), ShareGPT `conversations` ([{from, value}]) or `prompt` and `response`.",
+        "unknown format",
     )
 
 
@@ -300,11 +307,11 @@ def assistant_spans(tokenizer, messages: list[dict], full: str, where: str = "th
             if hit is None:
                 if not m["content"].strip():
                     continue
-                raise DataError(
+                raise RowError(
                     f"{where}: cannot locate assistant turn {i} in the chat template's render: rendering the "
                     "conversation turn by turn does not give prefixes of the full render, and the turn's "
                     "content does not appear in it. The loss mask cannot be derived from this template; "
-                    "fix the chat template or drop this conversation."
+                    "fix the chat template or drop this conversation.", "reply not found in render"
                 )
             start, cand = hit
             end = start + len(cand)
@@ -326,7 +333,8 @@ def check_renders(tokenizer, messages: list[dict], where: str = "this conversati
     try:
         full = _template(tokenizer, messages)
     except Exception as e:
-        raise DataError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e}).") from None
+        raise RowError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e}).",
+                       "template refuses") from None
     return any(e > s for s, e in assistant_spans(tokenizer, messages, full, where))
 
 
@@ -335,7 +343,8 @@ def render(tokenizer, messages: list[dict], max_length: int, where: str = "this 
     try:
         full = _template(tokenizer, messages)
     except Exception as e:
-        raise DataError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e}).") from None
+        raise RowError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: {e}).",
+                       "template refuses") from None
     spans = assistant_spans(tokenizer, messages, full, where)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])

@@ -67,6 +67,10 @@ class PrecomputeConfig:
     overwrite: bool = opt(False, "Delete an existing store and start over.")
     append: bool = opt(False, "Grow an existing store: capture only the conversations of --data it does not hold "
                        "(matched by content, not row), as a new part; committed samples stay as they are.")
+    skip_bad_rows: bool = opt(False, "Leave out the rows dflash cannot use (unknown format or role, a content that "
+                              "is not text, a conversation the chat template refuses or renders without its "
+                              "replies) instead of stopping; each is listed in STORE/skipped_rows.jsonl with its "
+                              "file, line and reason, and counted in the summary.")
     restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
                                 "other inputs (for pipelines); a store of the same inputs is resumed, and with "
                                 "--append another dataset is not another input.")

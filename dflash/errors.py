@@ -33,6 +33,15 @@ class DataError(DFlashError):
     """A dataset that cannot be read or has no usable conversations."""
 
 
+class RowError(DataError):
+    """One dataset row dflash cannot use (its format, a role, a content, the chat template's render);
+    `kind` names the reason in a word or two, what `precompute --skip-bad-rows` counts rows by."""
+
+    def __init__(self, message: str, kind: str = "bad row"):
+        super().__init__(message)
+        self.kind = kind
+
+
 class TargetError(DFlashError):
     """A target model or tokenizer that cannot be loaded or used."""
 

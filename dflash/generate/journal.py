@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from dflash.errors import GenerateError
+from dflash.jsonl import jsonl_lines
 
 META = "run.meta"
 
@@ -78,7 +79,7 @@ def _scan(path: Path) -> tuple[list[dict], int]:
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     records = []
-    for lineno, line in enumerate(data[:end].splitlines(), 1):
+    for lineno, line in enumerate(jsonl_lines(data[:end]), 1):
         try:
             rec = json.loads(line)
             int(rec["row"])

@@ -10,7 +10,7 @@ anywhere redoes exactly what the interrupted run had left.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,7 @@ import numpy as np
 from dflash.config import PrecomputeConfig
 from dflash.errors import ConfigError, StoreError
 from dflash.paths import from_record, portable
+from dflash.precompute.badrows import write_report
 from dflash.store import parts as P
 from dflash.store import read_manifest
 from dflash.store.manifest import MANIFEST
@@ -27,13 +28,16 @@ from dflash.store.manifest import MANIFEST
 class Rows:
     """The dataset as precompute sees it: one content key per row (dflash.chat.conversation_key)."""
 
-    keys: list[bytes]
+    keys: list[bytes | None]  # None: a bad row that --skip-bad-rows leaves out
     fingerprint: str
+    bad: list[dict] = field(default_factory=list)  # the rows left out, each with its reason (badrows.py)
 
     def unique(self, held: set[bytes] = frozenset()) -> tuple[np.ndarray, dict]:
         """Rows of conversations neither held nor seen earlier in the dataset, and the counts."""
         seen, rows, dup, known = set(), [], 0, 0
         for r, k in enumerate(self.keys):
+            if k is None:
+                continue
             if k in held:
                 known += 1
             elif k in seen:
@@ -41,7 +45,10 @@ class Rows:
             else:
                 seen.add(k)
                 rows.append(r)
-        return np.asarray(rows, dtype=np.int64), {"new": len(rows), "duplicates": dup, "already_stored": known}
+        counts = {"new": len(rows), "duplicates": dup, "already_stored": known}
+        if self.bad:
+            counts["bad_rows"] = len(self.bad)
+        return np.asarray(rows, dtype=np.int64), counts
 
 
 def legacy_part(manifest: dict) -> P.Part:
@@ -67,6 +74,7 @@ def first_part(cfg: PrecomputeConfig, out: Path, rows: Rows, num_shards: int) ->
         return found[0]
     unique, counts = rows.unique()
     part = P.Part(0, 0, num_shards, 0, rows.fingerprint, len(rows.keys), _dataset_info(cfg, counts))
+    write_report(out, 0, rows.bad)
     return P.write_part(out, part, [rows.keys[r] for r in unique], unique)
 
 
@@ -111,6 +119,7 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
     last = parts[-1]
     new = P.Part(last.index + 1, last.first_shard + last.num_shards, num_shards, max(p.id_end for p in parts),
                  rows.fingerprint, len(rows.keys), _dataset_info(cfg, counts))
+    write_report(out, new.index, rows.bad)
     new = P.write_part(out, new, [rows.keys[r] for r in unique], unique)
     print(f"precompute --append: part {new.index} of {out}: {counts['new']} new conversations from {cfg.data} "
           f"({counts['already_stored']} already stored, {counts['duplicates']} repeated in the dataset), "

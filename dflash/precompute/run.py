@@ -23,13 +23,13 @@ import traceback
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from dflash.chat import check_renders, conversation_key, conversation_of, dataset_fingerprint, load_rows, render
+from dflash.chat import dataset_fingerprint, load_rows
 from dflash.config import PrecomputeConfig, to_dict
-from dflash.errors import ConfigError, DataError, DFlashError, TargetError
+from dflash.errors import ConfigError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
+from dflash.precompute.badrows import REPORT, check_rows
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, supervise
@@ -38,10 +38,6 @@ from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
 from dflash.target.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
-
-CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
-PREPASS_BAR_ROWS = 5000  # the row pre-pass shows a progress bar from this many rows
-
 
 # ---------------------------------------------------------------------------------------------- checks
 
@@ -97,44 +93,6 @@ def _held_keys(cfg: PrecomputeConfig, tok_hash: str) -> set[bytes]:
         return set()
 
 
-def _check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset()) -> list[bytes]:
-    """Before the store exists: every row has a known format and renders through the chat template with
-    its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
-    are skipped), the first rows render in full, and some row has something to supervise.  Returns each
-    row's content key (what an append matches conversations on)."""
-    has_assistant = 0
-    rendered = 0
-    supervised = False
-    keys = []
-    bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
-    for i, row in enumerate(ds):
-        msgs = conversation_of(row, i, cfg.data)
-        key = conversation_key(msgs)
-        keys.append(key)
-        bar.update(1)
-        if key in held or not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-            has_assistant += key in held
-            continue
-        has_assistant += 1
-        where = f"dataset {cfg.data}, row {i}"
-        if rendered < CHECK_RENDER_ROWS or not supervised:
-            r = render(tokenizer, msgs, cfg.max_length, where=where)
-            supervised = supervised or any(r.loss_mask)
-            rendered += 1
-        else:
-            check_renders(tokenizer, msgs, where)
-    bar.close()
-    supervised = supervised or bool(held)
-    if not has_assistant or not supervised:
-        raise DataError(
-            f"no sample of dataset {cfg.data} has a supervised token: "
-            + ("the data has no assistant turns" if not has_assistant else "the chat template renders no assistant tokens")
-            + f" (checked {len(ds)} rows). The drafter learns from assistant tokens only; give conversations "
-            "with assistant replies, or a target whose chat template renders them."
-        )
-    return keys
-
-
 def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Rows]:
     """Validate everything and return (manifest, layer ids, the rows' keys) without touching the store."""
     _check_config(cfg, num_shards)
@@ -153,7 +111,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
     if problem:  # a store train would refuse: say so before capturing it (docs/DESIGN.md §2)
         raise ConfigError(f"--target-layers: {problem}")
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
-    keys = _check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
+    keys, bad = check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
         "target": {**identity, "path": portable(cfg.target, cfg.out)},
@@ -168,7 +126,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
         "num_shards": num_shards,
         "precompute_config": to_dict(cfg),
     }
-    return manifest, layer_ids, Rows(keys, fingerprint)
+    return manifest, layer_ids, Rows(keys, fingerprint, bad)
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -269,6 +227,7 @@ def summarize(store: str | Path, wall_s: float | None = None) -> dict:
         for k in tot:
             tot[k] += int(st.get(k) or 0)
     size = sum(f.stat().st_size for f in Path(store).rglob("*") if f.is_file())
+    tot["bad_rows"] = sum(int(p.get("bad_rows") or 0) for p in m.get("parts") or [])
     tot["bytes_per_token"] = round(size / tot["num_tokens"], 1) if tot["num_tokens"] else 0.0
     tot["wall_s"] = round(wall_s, 2) if wall_s is not None else max((st.get("wall_s") or 0) for st in m["shards"].values())
     return tot
@@ -281,6 +240,8 @@ def _print_summary(store, tot: dict, max_length: int) -> None:
         f"truncated {tot['truncated']} to {max_length} tokens"
         + (f" and {tot['cut_away']} more that --max-length cut before any reply token (not stored)"
            if tot["cut_away"] else "")
+        + (f"; left out {tot['bad_rows']} bad rows (--skip-bad-rows; listed in {Path(store) / REPORT})"
+           if tot["bad_rows"] else "")
         + f"; {tot['bytes_per_token']:.0f} bytes/token; "
         f"{tot['wall_s']:.1f}s",
         flush=True,

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import TrainConfig
+from dflash.jsonl import jsonl_lines
 from dflash.train.batch_slots import default_num_slots
 from dflash.train.loader import PREFETCH_FACTOR, batch_bytes
 from dflash.train.preflight import Setup, truncate_metrics
@@ -133,7 +134,7 @@ class RunLogger:
     def _write_curves(self) -> None:
         """curves.csv (step, loss, tau, lr) from the whole metrics.jsonl, resumed segments included:
         `dvc plots` reads CSV, not JSONL."""
-        rows = [json.loads(line) for line in (self.run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in jsonl_lines((self.run / "metrics.jsonl").read_text(encoding="utf-8")) if line.strip()]
         tmp = self.run / ".curves.csv.tmp"
         with open(tmp, "w") as f:
             f.write("step,loss,tau,lr\n")

@@ -18,6 +18,7 @@ import torch
 
 from dflash.config import TrainConfig, to_dict
 from dflash.errors import ConfigError, StoreError
+from dflash.jsonl import jsonl_lines
 from dflash.paths import portable
 from dflash.train.epochs import wait_for_manifest
 from dflash.train.loader import LoaderSpec
@@ -150,7 +151,7 @@ def truncate_metrics(path: Path, last_step: int) -> list[dict]:
     if not path.is_file():
         return []
     kept = []
-    for line in path.read_text().splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:  # a line torn by the kill
@@ -165,11 +166,12 @@ def truncate_metrics(path: Path, last_step: int) -> list[dict]:
 
 def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store,
                        growing: bool = False) -> tuple[int, str]:
-    """(mask token id, how it was chosen).
+    """(mask token id, how it was chosen: the token's text and the rule), by the rule of docs/DESIGN.md §2.
 
     In order: the configured id; the tokenizer's own mask token; the first embedding row past the
-    tokenizer (a padding row no text can produce, as z-lab uses for Qwen3); a reserved special token that
-    never occurs in the store.  Never an in-use word: with none of these, the user must choose.
+    tokenizer (a padding row no text can produce, as z-lab uses for Qwen3); then an added special token
+    that never occurs in the store (`_special_candidates`).  Never an in-use word: with none of these,
+    the user must choose.
     """
     if cfg_id is not None:
         if not 0 <= cfg_id < vocab_rows:
@@ -186,25 +188,60 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store,
         return int(tok.mask_token_id), f"tokenizer mask token {tok.mask_token!r}"
     if len(tok) < vocab_rows:
         return len(tok), "first unused embedding row"
-    # A dedicated <|mask|>-like token first, then reserved ones; each only if the store never uses it.
-    reserved = sorted((i for i, t in tok.added_tokens_decoder.items()
-                       if t.special and ("reserved" in t.content.lower() or "mask" in t.content.lower()) and i < vocab_rows),
-                      key=lambda i: ("mask" not in tok.added_tokens_decoder[i].content.lower(), i))
-    if reserved and growing:
+    cands = _special_candidates(tok, vocab_rows)
+    if cands and growing:
+        i, rule = cands[0]
         raise ConfigError(
-            f"the target {target} has no mask token and no unused embedding row, and a reserved token can be "
+            f"the target {target} has no mask token and no unused embedding row, and a special token can be "
             "chosen only by scanning a finished store (--follow trains from one being written); pass "
-            f"--mask-token-id, e.g. {reserved[0]} ({tok.convert_ids_to_tokens(reserved[0])!r}), if the data never uses it."
+            f"--mask-token-id, e.g. {i} ({tok.convert_ids_to_tokens(i)!r}, a {rule}), if the data never uses it."
         )
-    if reserved:
-        used = _ids_in_store(store, set(reserved))
-        free = [i for i in reserved if i not in used]
-        if free:
-            return free[0], f"reserved special token {tok.convert_ids_to_tokens(free[0])!r} (absent from the store)"
+    used = _ids_in_store(store, {i for i, _ in cands}) if cands else set()
+    for i, rule in cands:
+        if i not in used:
+            return i, f"{rule} {tok.convert_ids_to_tokens(i)!r}, absent from the store"
     raise ConfigError(
         f"the target {target} has no spare token for the drafter's mask (no mask token, no unused embedding "
-        "row, no unused reserved special token); pass --mask-token-id with an id that never occurs in the data."
+        "row, no added special token that the chat template and the store leave unused); pass "
+        "--mask-token-id with an id that never occurs in the data."
     )
+
+
+def _special_candidates(tok, vocab_rows: int) -> list[tuple[int, str]]:
+    """Added special tokens that may mask, in order, each group by lowest id: mask-named, reserved-named,
+    then any other but bos/eos/pad/unk and those the chat template writes (tokens such as SmolLM2's code
+    markers <filename>, <gh_stars>, which chat data never holds).  The store is checked by the caller."""
+    core = {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id}
+    in_template = _template_ids(tok)
+    groups: tuple[list, list, list] = ([], [], [])
+    for i, t in sorted(tok.added_tokens_decoder.items()):
+        if not t.special or not 0 <= i < vocab_rows:
+            continue
+        name = t.content.lower()
+        if "mask" in name:
+            groups[0].append((i, "mask-named special token"))
+        elif "reserved" in name:
+            groups[1].append((i, "reserved special token"))
+        elif i not in core and i not in in_template:
+            groups[2].append((i, "added special token unused by the chat template"))
+    return [c for g in groups for c in g]
+
+
+def _template_ids(tok) -> set[int]:
+    """Ids of the added tokens the chat template writes: named in its source, or in a render of a short
+    conversation (tokens it reaches through variables such as bos_token)."""
+    src = tok.chat_template or ""
+    src = " ".join(src.values()) if isinstance(src, dict) else str(src)
+    ids = {i for i, t in tok.added_tokens_decoder.items() if t.content in src}
+    if src:
+        probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                 {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}]
+        try:
+            text = tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+            ids.update(tok(text, add_special_tokens=False)["input_ids"])
+        except Exception:  # noqa: BLE001 - a template may refuse the probe; its source was read above
+            pass
+    return ids
 
 
 def _ids_in_store(store, ids: set[int]) -> set[int]:

@@ -89,3 +89,21 @@ def test_reasoning_returned_apart_is_put_back_in_the_turn():
 def test_output_keeps_unicode_and_is_one_json_object_per_line():
     data = jr.output_bytes({0: {"row": 0, "out": {"messages": [{"role": "user", "content": "é\n"}]}}}, 1)
     assert data.decode().count("\n") == 1 and json.loads(data)["messages"][0]["content"] == "é\n"
+
+
+def test_the_journal_holding_any_unicode_resumes_byte_for_byte(tmp_path):
+    texts = ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\r", "\u202e\u05e9\u05dc",
+             "\U0001f600", "\x00", "\ud7ff\ue000\uffff"]
+    recs = [{"row": i, "out": {"messages": [{"role": "user", "content": f"a{t}b"}]}} for i, t in enumerate(texts)]
+    j = jr.Journal(tmp_path, 0)
+    j.append(recs[:7])
+    j.close()
+    with open(j.path, "ab") as f:
+        f.write(json.dumps(recs[7], ensure_ascii=False).encode()[:-3])  # torn by a kill -9
+    j = jr.Journal(tmp_path, 0)  # the resume: the torn tail cut off, every whole record kept
+    j.append(recs[7:])
+    j.close()
+    got = jr.load_records(tmp_path)
+    assert [got[i] for i in range(len(texts))] == recs
+    want = b"".join(json.dumps(r["out"], ensure_ascii=False).encode() + b"\n" for r in recs)
+    assert jr.output_bytes(got, len(texts)) == want

@@ -268,9 +268,12 @@ def test_mask_token_choice(counting):
     assert resolve_mask_token(5, str(target), n + 8, s) == (5, "configured")
     with pytest.raises(ConfigError, match="outside"):
         resolve_mask_token(n + 8, str(target), n + 8, s)
-    # no padding row, no mask or reserved token: the user has to choose, never an in-use word
-    with pytest.raises(ConfigError, match="--mask-token-id"):
-        resolve_mask_token(None, str(target), n, s)
+    # no padding row, no mask or reserved token: a special token neither the Qwen3-style template (it writes
+    # <|im_start|>, <|im_end|>, <think>) nor the store uses, never an in-use word (tests/train/test_mask_token.py)
+    tok = AutoTokenizer.from_pretrained(target)
+    assert resolve_mask_token(None, str(target), n, s) == (
+        tok.convert_tokens_to_ids("<|begin_of_text|>"),
+        "added special token unused by the chat template '<|begin_of_text|>', absent from the store")
 
 
 def test_mask_token_reserved_and_unused(counting, tmp_path):
