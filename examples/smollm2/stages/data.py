@@ -104,8 +104,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "train.jsonl", train)
     write_jsonl(out / "heldout.jsonl", held)
+    # The first exchange of each training conversation: what the optional generate stage answers anew.
+    write_jsonl(out / "prompts.jsonl", [{"id": c["id"], "messages": c["messages"][:2]} for c in train])
     print(f"data: {seen} records read, {len(convs)} usable conversations; {len(train)} train, {len(held)} held-out "
-          f"-> {out}/train.jsonl, {out}/heldout.jsonl")
+          f"-> {out}/train.jsonl, {out}/heldout.jsonl, {out}/prompts.jsonl (first exchanges)")
 
 
 if __name__ == "__main__":

