@@ -58,6 +58,16 @@ def convert(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16, **kw)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    # transformers' GGUF tokenizer conversion (4.57 and 5.17 alike; 5.24 gets it right) takes eos from
+    # the file's bos field: <|im_start|>. SmolLM2-Instruct ends a turn with <|im_end|>, as its own
+    # tokenizer_config says; generate and the loss mask's end-of-turn token depend on it.
+    if tok.eos_token != "<|im_end|>":
+        print(f"target: eos was {tok.eos_token!r} after conversion; set to '<|im_end|>' (SmolLM2-Instruct's own)")
+        tok.eos_token = "<|im_end|>"
+        tok.pad_token = "<|im_end|>"
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    model.config.pad_token_id = model.generation_config.pad_token_id = eos
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

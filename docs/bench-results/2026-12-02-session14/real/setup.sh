@@ -3,8 +3,8 @@
 # example's target, time precompute before/after the render workers, start generate in the background.
 #   carry: [".pieces/p3", ".whl", ".carry"]
 set -uo pipefail
-mkdir -p /root/pieces && cp .pieces/p3/* /root/pieces/ && bash .pieces/p3/join.sh /root/pieces /root/big || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl || exit 1
+[ -f /root/ex/cache/SmolLM2-135M-Instruct.Q4_1.gguf ] && mkdir -p /root/big && mv /root/ex/cache/SmolLM2-135M-Instruct.Q4_1.gguf /root/big/ || { mkdir -p /root/pieces && cp .pieces/p3/* /root/pieces/ && bash .pieces/p3/join.sh /root/pieces /root/big || exit 3; }
+[ -d /root/site/zarr ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl || exit 1
 . docs/bench-results/2026-12-02-session14/real/env.sh
 rm -rf $E && mkdir -p $E/cache $E/data && cp -r examples/smollm2/params.yaml examples/smollm2/stages $E/
 mv /root/big/SmolLM2-135M-Instruct.Q4_1.gguf $E/cache/
