@@ -32,7 +32,7 @@ from dflash.locks import dir_lock
 from dflash.paths import portable
 from dflash.precompute.grow import Rows, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
-from dflash.spawned import die_with_parent, supervise
+from dflash.spawned import die_with_parent, raise_failure, supervise
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
@@ -228,17 +228,9 @@ def _spawn(jobs: list[ShardJob]) -> None:
     for p in procs.values():
         p.start()
     failure = supervise(procs, queue)
-    if failure is None:
-        return
-    kind, shard, payload = failure
-    if kind == "user":
-        raise DFlashError(f"shard {shard} failed: {payload}")
-    if kind == "died":
-        raise DFlashError(
-            f"shard {shard} process died ({payload}; out of memory?) and the run stopped. What it committed "
-            "is kept: rerun the same command to continue."
-        )
-    raise RuntimeError(f"shard {shard} failed with an unexpected error:\n{payload}")
+    if failure is not None:
+        raise_failure(failure, f"shard {failure[1]}",
+                      "The run stopped; what the shard committed is kept: rerun the same command to continue.")
 
 
 def _rank0_first(fn):
