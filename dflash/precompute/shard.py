@@ -47,7 +47,6 @@ class ShardJob:
     layer_ids: list[int]
     threads: int = 0  # CPU threads for this process (0 = leave torch's default)
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
-    pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
     writer: str | None = None  # process | thread (None: cfg.writer)
     write_slots: int = 3  # host buffers between the GPU and the writer (batches in flight)
     part: Part | None = None  # the part this shard belongs to (None: the whole dataset, as part 0)
@@ -109,7 +108,6 @@ def run_shard(job: ShardJob) -> dict:
         capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
         stats = {"rows": len(rows), "skipped": 0, "cut_away": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
         writer_args = dict(
             store_path=cfg.out,
@@ -122,9 +120,8 @@ def run_shard(job: ShardJob) -> dict:
             chunk_tokens=cfg.store_chunk_tokens,
         )
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
-        mode = (job.writer or cfg.writer) if job.pipelined else "serial"
         frozen = False
-        with open_sink(writer_args, device, mode, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
+        with open_sink(writer_args, device, job.writer or cfg.writer, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct:
             done = sink.committed_sample_ids()  # resume: the samples already committed
             t_loop = time.time()
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
@@ -143,14 +140,12 @@ def run_shard(job: ShardJob) -> dict:
                     members = [samples[i] for i in batch]
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if id_base + r not in done]
                     if todo:
-                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype, id_base)
+                        _write_batch(sink, capture, members, todo, device, pad_id, id_base)
                         if not frozen:  # the model and the compiled top-k exist now: no collection walks them
                             hostgc.freeze()
                             frozen = True
                         stats["new_samples"] += len(todo)
                         stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
-                        if slow:
-                            time.sleep(slow)
                     bar.update(len(members))
                     elapsed = max(time.time() - t_loop, 1e-9)
                     bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
@@ -173,17 +168,13 @@ def _exit_if_orphaned(job: ShardJob) -> None:
 
 def open_sink(writer_args: dict, device, mode: str = "process", slots: int = 3, capacity_tokens: int = 0):
     """What `_write_batch` sends batches to, a context manager with committed_sample_ids() and
-    finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), on a
-    thread of this one (WritePipeline), or, mode "serial", the writer itself, called inline."""
+    finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), or on
+    a thread of this one (WritePipeline)."""
     if mode == "process":
         return ProcessWritePipeline(writer_args, device, slots=slots, capacity_tokens=capacity_tokens)
-    writer = ShardWriter(**writer_args)
-    if mode == "serial":
-        return writer
     if mode != "thread":
-        writer.abort()
-        raise ValueError(f"writer must be process, thread or serial, not {mode!r}")
-    return WritePipeline(writer, device, slots=slots, capacity_tokens=capacity_tokens)
+        raise ValueError(f"writer must be process or thread, not {mode!r}")
+    return WritePipeline(ShardWriter(**writer_args), device, slots=slots, capacity_tokens=capacity_tokens)
 
 
 def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,29 +188,9 @@ def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), lens
 
 
-def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype, id_base: int = 0) -> None:
-    """Capture one batch and store its `todo` rows: handed to the WritePipeline's thread when `writer` is
-    one, else copied out and appended right here (the serial path)."""
+def _write_batch(sink, capture, members, todo, device, pad_id, id_base: int = 0) -> None:
+    """Capture one batch and hand its `todo` rows to the sink's writer."""
     device = torch.device(device)
     out = capture(*_batch_ids(members, device, pad_id))
-    if isinstance(writer, WritePipeline):
-        writer.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
-                      out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
-        return
-    lengths = [len(rd.input_ids) for _, rd in members]
-    hidden = out["hidden"]
-    if hidden_dtype == "bf16":
-        hidden = hidden.to(torch.bfloat16).cpu()  # one transfer per batch; fp8 is quantised on the device
-    topk_ids = out["topk_ids"].cpu() if "topk_ids" in out else None
-    topk_lp = out["topk_logprobs"].cpu() if "topk_logprobs" in out else None
-    for b, r, rd in todo:
-        n = lengths[b]
-        writer.append(
-            sample_id=id_base + r,
-            source_row=r,
-            input_ids=rd.input_ids,
-            loss_mask=rd.loss_mask,
-            hidden=hidden[b, :n],
-            topk_ids=topk_ids[b, :n] if topk_ids is not None else None,
-            topk_logprobs=topk_lp[b, :n] if topk_lp is not None else None,
-        )
+    sink.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
+                out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))

@@ -52,20 +52,36 @@ def _cfg(target, data, out, **kw) -> PrecomputeConfig:
     return PrecomputeConfig(**opts)
 
 
-def _run_shard(cfg: PrecomputeConfig, pipelined: bool, slots: int = 2) -> Path:
+def _run_shard(cfg: PrecomputeConfig, slots: int = 2) -> Path:
     manifest, layer_ids, _ = prepare(cfg, 1)
     create_or_check_manifest(cfg.out, manifest)
-    run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, pipelined=pipelined, write_slots=slots))
+    run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, write_slots=slots))
     return Path(cfg.out)
 
 
+class _InlineSink(ShardWriter):
+    """The reference for the pipelines: each sample of a batch copied out and appended on the capture's
+    own thread, as plainly as a shard can be written."""
+
+    def submit(self, samples, hidden, topk_ids=None, topk_logprobs=None) -> None:
+        for b, sid, row, ids, mask in samples:
+            n = len(ids)
+            self.append(sid, row, ids, mask, hidden[b, :n], None if topk_ids is None else topk_ids[b, :n],
+                        None if topk_logprobs is None else topk_logprobs[b, :n])
+
+
 @pytest.mark.parametrize("hidden_dtype,writer", [("bf16", "process"), ("fp8", "process"), ("bf16", "thread"), ("fp8", "thread")])
-def test_pipelined_precompute_is_byte_identical_to_serial(tmp_path, tiny_target, hidden_dtype, writer):
+def test_pipelined_precompute_is_byte_identical_to_inline_appends(tmp_path, tiny_target, hidden_dtype, writer,
+                                                                  monkeypatch):
+    from dflash.precompute import shard
+
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
-    serial = _run_shard(_cfg(tiny_target, data, tmp_path / "serial", hidden_dtype=hidden_dtype), pipelined=False)
-    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype, writer=writer), pipelined=True)
-    want, got = _files(serial), _files(piped)
-    assert len(open_store(serial).sample_ids()) == 14
+    with monkeypatch.context() as m:
+        m.setattr(shard, "open_sink", lambda writer_args, *_, **__: _InlineSink(**writer_args))
+        inline = _run_shard(_cfg(tiny_target, data, tmp_path / "inline", hidden_dtype=hidden_dtype))
+    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype, writer=writer))
+    want, got = _files(inline), _files(piped)
+    assert len(open_store(inline).sample_ids()) == 14
     assert sum(k.startswith("shard-00000/hidden/c/") for k in want) >= 3  # several objects were written
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
