@@ -284,7 +284,7 @@ def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_targe
 
 
 @pytest.mark.parametrize("io", [dict(overlap_io=False), dict(io_threads=1), dict(io_threads=3),
-                                dict(io_threads=3, own_event_loops=True), dict(io_threads=3, fused_pipeline=False)])
+                                dict(io_threads=3, fused_pipeline=False)])
 def test_io_threads_do_not_change_the_bytes(tmp_path, io):
     plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
     stores = {}
@@ -299,9 +299,9 @@ def test_io_threads_do_not_change_the_bytes(tmp_path, io):
 
 
 def test_row_buffers_are_reused():
-    from dflash.store.rows import Rows
+    from dflash.store.rows import TokenBuffer
 
-    r = Rows(np.dtype("uint16"), (4,), 8)  # like the writer: whole objects of 4 rows taken, the rest kept
+    r = TokenBuffer(np.dtype("uint16"), (4,), 8)  # like the writer: whole objects of 4 rows taken, the rest kept
     seen, want = [], []
     for i in range(6):
         r.append(np.full((5, 4), i, np.uint16))
