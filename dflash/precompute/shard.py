@@ -30,7 +30,7 @@ from dflash.chat import conversation_of, load_rows, render
 from dflash.config import PrecomputeConfig
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
-from dflash.store.parts import Part, part_path, part_rows
+from dflash.store.parts import Part, part_rows
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
 from dflash.target.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
@@ -52,12 +52,12 @@ class ShardJob:
     part: Part | None = None  # the part this shard belongs to (None: the whole dataset, as part 0)
 
     def rows(self, num_rows: int) -> tuple[list[int], int]:
-        """(the dataset rows this shard captures, the id of row 0)."""
-        part = self.part or Part(0, 0, self.num_shards, 0, "", num_rows)
-        j = self.shard - part.first_shard
-        if part_path(self.cfg.out, part.index).is_file():
-            return part_rows(self.cfg.out, part.index)[j :: part.num_shards].tolist(), part.id_base
-        return list(range(j, num_rows, part.num_shards)), part.id_base  # a store from before parts
+        """(the dataset rows this shard captures, the id of row 0); without a part, every row of the
+        dataset, as sample ids."""
+        if self.part is None:
+            return list(range(self.shard, num_rows, self.num_shards)), 0
+        j = self.shard - self.part.first_shard
+        return part_rows(self.cfg.out, self.part.index)[j :: self.part.num_shards].tolist(), self.part.id_base
 
 
 
