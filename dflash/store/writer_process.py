@@ -23,7 +23,7 @@ Semantics are WritePipeline's: batches are appended in submit() order; at most `
 finalize(stats) writes everything and finalizes the shard; close() commits what was given.  The writer
 process opens the shard itself (resume: `committed_sample_ids()` comes from it) and dies with its
 parent (PR_SET_PDEATHSIG on Linux, and a check of its parent between batches), so `kill -9` of a shard
-process leaves only committed state, as before.  An error in the writer process comes back as a
+process leaves only committed state.  An error in the writer process comes back as a
 StoreError naming the original exception and its traceback, at the next submit()/finalize()/close().
 """
 
