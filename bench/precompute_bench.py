@@ -1,8 +1,7 @@
 """Precompute throughput at Qwen3-8B shape: the target's forward alone against capture (hooks + chunked
 top-k) and against capture + ShardWriter writes to local disk, bf16 and fp8 stores, through the writer
-process (what `dflash precompute` runs: shared pinned slots, Python's GC frozen after set-up), the writer
-thread before it, and the old serial path (copy out, append and commit inline); the disk's raw write
-speed; then two processes (one per GPU, one shard each) at once.
+process (what `dflash precompute` runs: shared pinned slots, Python's GC frozen after set-up), and the writer
+thread; the disk's raw write speed; then two processes (one per GPU, one shard each) at once.
 
     python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2] [--passes ...]
 
@@ -11,7 +10,7 @@ save and reload), driven by `dflash.target.capture.Capture` and `dflash.precompu
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
 sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (as precompute
 runs), write_bf16_thread (writer thread, GC frozen), write_bf16_session3 (writer thread, automatic GC: the
-path before), write_bf16_serial / write_fp8_serial (pass "serial"), capture_bg_thread / capture_bg_process
+path before), capture_bg_thread / capture_bg_process
 (capture beside a writer's load on a thread / in a process), disk (numpy write + fsync, GB/s),
 write_profile (torch.profiler of a few batches of capture + writes: $OUT/precompute_write_profile.txt, a
 Chrome trace and its GPU idle gaps).  --passes picks and orders nothing: it only selects (see ALL_PASSES).
@@ -46,7 +45,7 @@ from precompute_workload import (
 )
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 two_gpus_capture io2 serial")
+              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 two_gpus_capture io2")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
@@ -262,7 +261,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None, help="tokens per measurement (default 300000; tiny 3000)")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per forward batch (precompute's default)")
     ap.add_argument("--disk-gb", type=float, default=None, help="GB for the raw disk write (default 2; tiny 0.25)")
-    ap.add_argument("--no-serial", action="store_true", help="skip the serial (before) write passes")
     ap.add_argument("--passes", default=os.environ.get("BENCH_PC_PASSES", ALL_PASSES),
                     help=f"which measurements, in this order of priority (default: {ALL_PASSES})")
     ap.add_argument("--shape", default=None, help="target shape: qwen3-8b (default) or qwen3-32b")
@@ -392,8 +390,7 @@ def main() -> None:
             committed = len(open_store(store))
             rates[key] = ntok / dt
             how = {"process": "writer process, 3 shared pinned slots (what precompute runs)",
-                   "thread": "writer thread, 3 pinned host buffers (session 3's precompute)",
-                   "serial": "serial: .cpu() copy, append, commits inline"}[mode]
+                   "thread": "writer thread, 3 pinned host buffers (session 3's precompute)"}[mode]
             entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}"
                              + ("; GC frozen after set-up" if frozen else "; Python's automatic GC")
                              + ("; session 2's top-k (capture_before)" if before else ""),
@@ -408,9 +405,9 @@ def main() -> None:
             res.set(key, entry)
             shutil.rmtree(store, ignore_errors=True)
 
-    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "write_profile", "io2", "serial"}:
+    if passes & {"write_bf16", "write_bf16_before", "write_fp8", "write_profile", "io2"}:
         with res.guard("write_warmup"):  # first-use costs (imports, codecs, thread start) off the timed passes
-            for mode in ("process", "thread", "serial"):
+            for mode in ("process", "thread"):
                 store = work_dir() / "pc_warmup"
                 make_store(store, tiny, "bf16", 1)
                 capture_and_write(capture, batches[:1], store, 0, tiny, device, "bf16", mode, budget)
@@ -454,9 +451,6 @@ def main() -> None:
                               one_gpu_rate_without_drain=solo.get("tokens_per_s_without_drain"))
     if "io2" in passes:
         write_pass("bf16", io_threads=2)
-    if "serial" in passes and not args.no_serial:
-        write_pass("bf16", mode="serial")
-        write_pass("fp8", mode="serial")
     res.set("wall_s", round(elapsed(), 1))
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The workload of bench/precompute_bench.py: a random-init target of a real shape built on the GPU, synthetic
-samples cut into precompute's batch plan, and capture + write through precompute's own sink (the write
-pipeline or the serial path), plus session 2's capture for before/after comparisons."""
+samples cut into precompute's batch plan, and capture + write through precompute's own sink (the writer
+process or thread), plus session 2's capture for before/after comparisons."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def write_batch(sink, capture, members, device, hidden_dtype: str) -> None:
     from dflash.precompute import shard
 
     todo = [(j, r, rd) for j, (r, rd) in enumerate(members)]
-    shard._write_batch(sink, capture, members, todo, device, 0, hidden_dtype)
+    shard._write_batch(sink, capture, members, todo, device, 0)
 
 
 def make_store(path: Path, tiny: bool, hidden_dtype: str, num_shards: int) -> None:
@@ -122,7 +122,7 @@ def capture_and_write(capture, batches, store: Path, shard: int, tiny: bool, dev
                       mode: str = "process", budget: int = 0, io_threads: int = 4, stats: dict | None = None) -> float:
     """Seconds to capture and write every batch into one shard, finalize (fsync, index) included, through
     precompute's sink (`precompute_shard.open_sink`): mode "process" (the writer process run_shard uses),
-    "thread" (the writer thread before) or "serial".  The sink's start-up (the writer process starting and
+    or "thread" (the writer thread).  The sink's start-up (the writer process starting and
     opening the shard, paid once per shard) is outside the timed span, in stats["writer_start_s"]."""
     from dflash.precompute.shard import open_sink
 

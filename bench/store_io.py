@@ -48,8 +48,6 @@ def main() -> None:
     ap.add_argument("--no-fsync", action="store_true", help="durable=False: what the disk's fsync costs")
     ap.add_argument("--pre-encoded", action="store_true", help="append_encoded (stored form, as precompute does)")
     ap.add_argument("--io-threads", type=int, default=None, help="ShardWriter io_threads (default: its own)")
-    ap.add_argument("--own-loops", action="store_true",
-                    help="ShardWriter(own_event_loops=True): encode on the I/O threads, each with its own event loop")
     ap.add_argument("--no-fused", action="store_true",
                     help="ShardWriter(fused_pipeline=False): zarr's default codec pipeline (zarr >= 3.4; same bytes)")
     ap.add_argument("--write-only", action="store_true", help="skip the read and verify passes")
@@ -83,7 +81,6 @@ def main() -> None:
         enc = {k: v.numpy() for k, v in encode_hidden_tensors(hidden, a.hidden_dtype, a.layers).items()}
         enc.update(topk_ids=topk_ids.int().numpy(), topk_logprobs=topk_lp.numpy())
     extra = {} if a.io_threads is None else {"io_threads": a.io_threads}
-    extra["own_event_loops"] = a.own_loops
     extra["fused_pipeline"] = not a.no_fused
     t0 = time.perf_counter()
     prof = cProfile.Profile() if a.profile else None
@@ -117,7 +114,7 @@ def main() -> None:
     pipeline = type(w.arrays["hidden"].async_array.codec_pipeline).__name__
     print(f"write: {tokens / dt:,.0f} tok/s ({nbytes / dt / 1e9:.2f} GB/s of store, {a.hidden_dtype}"
           f"{', pre-encoded' if enc else ''}), objects of {w.S} tokens, zarr {zarr.__version__} {pipeline}"
-          f"{', own event loops' if a.own_loops else ''}, {w._max_inflight} I/O threads", flush=True)
+          f", {w._writes.max_inflight} I/O threads", flush=True)
     if a.write_only:
         shutil.rmtree(a.out)
         return

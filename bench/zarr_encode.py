@@ -8,7 +8,7 @@ states, 5 layers) into a fresh array under --dir (tmpfs by default: the CPU cost
 `setitem` covering `--per-write` objects (ShardWriter writes ~6 at a time), from `--threads` threads.
 Modes:
   sync            zarr's synchronous API (ShardWriter's default before the fused pipeline)
-  own_loop        zarr's async API on each thread's own event loop (ShardWriter(own_event_loops=True))
+  own_loop        zarr's async API on each thread's own event loop (measured against the fused pipeline; no gain)
   fused           zarr's synchronous API with zarr 3.4's FusedCodecPipeline (ShardWriter(fused_pipeline=True)):
                   the whole object write (encode + store) runs off zarr's event-loop thread, objects of
                   one setitem in parallel on `codec_pipeline.max_workers` threads

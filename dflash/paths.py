@@ -15,7 +15,7 @@ def portable(path: str | os.PathLike, base: str | os.PathLike) -> str:
 
 
 def from_record(recorded: str | os.PathLike | None, base: str | os.PathLike) -> Path | None:
-    """A path read back from a record made by `portable` (or an absolute one, as older records hold)."""
+    """A path read back from a record made by `portable` (or an absolute one)."""
     if not recorded:
         return None
     p = Path(recorded)

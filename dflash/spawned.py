@@ -44,6 +44,22 @@ def supervise(procs: dict, queue, on_message=None) -> tuple | None:
     return failure
 
 
+def raise_failure(failure: tuple | None, who: str, died: str, died_error: type | None = None) -> None:
+    """Raise what supervise()'s `failure` means (nothing when None): a "user" failure as the DFlashError its
+    child reported, a child that died as `died_error` (DFlashError by default) ending with the advice
+    `died`, a "bug" as a RuntimeError with the child's traceback.  `who` names the child, e.g. "shard 3"."""
+    from dflash.errors import DFlashError
+
+    if failure is None:
+        return
+    kind, _, payload = failure
+    if kind == "user":
+        raise DFlashError(f"{who} failed: {payload}")
+    if kind == "died":
+        raise (died_error or DFlashError)(f"{who} died ({payload}; out of memory?). {died}")
+    raise RuntimeError(f"{who} failed with an unexpected error:\n{payload}")
+
+
 def die_with_parent(parent_pid: int | None = None) -> None:
     """Make this spawned process end when its parent (the command that started it, which holds the
     stage's lock, dflash/locks.py) dies, even by SIGKILL: the kernel sends this process SIGKILL then
@@ -81,4 +97,4 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-__all__ = ["supervise", "die_with_parent", "pid_alive"]
+__all__ = ["supervise", "raise_failure", "die_with_parent", "pid_alive"]

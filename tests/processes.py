@@ -16,6 +16,14 @@ import torch
 from dflash.store import open_store
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
+SLOW_WRITES = Path(__file__).with_name("slow_writes")
+
+
+def slow_writes(seconds: float) -> dict:
+    """Environment for a `dflash` subprocess each of whose precompute batches takes `seconds` longer
+    (the plugin in tests/slow_writes), so that a kill can land mid-run."""
+    return {"PYTHONPATH": os.pathsep.join([str(SLOW_WRITES), os.environ.get("PYTHONPATH", "")]),
+            "DFLASH_SLOW_WRITES_S": str(seconds)}
 
 
 def store_arrays(store) -> dict[int, dict[str, np.ndarray]]:

@@ -20,7 +20,7 @@ from dflash.errors import DFlashError, GenerateError
 from dflash.generate.journal import Journal
 from dflash.generate.local import Request
 from dflash.generate.rows import Plan, apply_response, prompt_messages, write_back
-from dflash.spawned import die_with_parent, supervise
+from dflash.spawned import die_with_parent, raise_failure, supervise
 
 
 def make_engine(cfg, device: str | None):
@@ -144,15 +144,8 @@ def _spawn(cfg, work, rows, todo, devices: list[str], bar: Bar) -> None:
     for p in procs.values():
         p.start()
     failure = supervise(procs, queue, on_message=lambda kind, shard, payload: bar(*payload))
-    if failure is None:
-        return
-    kind, shard, payload = failure
-    if kind == "user":
-        raise DFlashError(f"generate process {shard} ({devices[shard]}) failed: {payload}")
-    if kind == "died":
-        raise GenerateError(f"generate process {shard} ({devices[shard]}) died ({payload}; out of memory?). The "
-                            "rows finished so far are kept: rerun the same command to continue.")
-    raise RuntimeError(f"generate process {shard} failed with an unexpected error:\n{payload}")
-
+    if failure is not None:
+        raise_failure(failure, f"generate process {failure[1]} ({devices[failure[1]]})",
+                      "The rows finished so far are kept: rerun the same command to continue.", GenerateError)
 
 __all__ = ["generate_rows", "drive", "run_window", "make_engine"]

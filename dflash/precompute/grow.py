@@ -21,11 +21,10 @@ from dflash.paths import from_record, portable
 from dflash.precompute.badrows import write_report
 from dflash.store import parts as P
 from dflash.store import read_manifest
-from dflash.store.manifest import MANIFEST
 
 
 @dataclass
-class Rows:
+class DatasetKeys:
     """The dataset as precompute sees it: one content key per row (dflash.chat.conversation_key)."""
 
     keys: list[bytes | None]  # None: a bad row that --skip-bad-rows leaves out
@@ -51,12 +50,6 @@ class Rows:
         return np.asarray(rows, dtype=np.int64), counts
 
 
-def legacy_part(manifest: dict) -> P.Part:
-    """A store written before parts existed: one implicit part, row r as sample id r, no keys."""
-    n = int((manifest.get("dataset") or {}).get("num_rows") or 0)
-    return P.Part(0, 0, int(manifest["num_shards"]), 0, str(manifest.get("dataset_fingerprint")), n)
-
-
 def unfinished(out: Path, parts: list[P.Part]) -> list[P.Part]:
     shards = read_manifest(out)["shards"]
     return [p for p in parts if any(shards[f"shard-{i:05d}"].get("status") != "complete" for i in p.shards)]
@@ -67,7 +60,7 @@ def _dataset_info(cfg: PrecomputeConfig, counts: dict) -> dict:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **counts}
 
 
-def first_part(cfg: PrecomputeConfig, out: Path, rows: Rows, num_shards: int) -> P.Part:
+def first_part(cfg: PrecomputeConfig, out: Path, rows: DatasetKeys, num_shards: int) -> P.Part:
     """Part 0 of a store whose manifest exists (just written, or written by a run killed right after)."""
     found = P.read_parts(out)
     if found:
@@ -78,10 +71,8 @@ def first_part(cfg: PrecomputeConfig, out: Path, rows: Rows, num_shards: int) ->
     return P.write_part(out, part, [rows.keys[r] for r in unique], unique)
 
 
-def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num_shards: int) -> list[P.Part]:
+def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: DatasetKeys, num_shards: int) -> list[P.Part]:
     """The parts whose shards this run captures, in order (recording a new one for --append)."""
-    if not manifest.get("content_keys"):
-        return _legacy(cfg, out, manifest, rows, num_shards)
     found = P.read_parts(out)
     parts = found or [first_part(cfg, out, rows, int(manifest["num_shards"]))]
     todo = unfinished(out, parts)
@@ -127,20 +118,4 @@ def plan_parts(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num
     return [*todo, new]
 
 
-def _legacy(cfg: PrecomputeConfig, out: Path, manifest: dict, rows: Rows, num_shards: int) -> list[P.Part]:
-    if cfg.append:
-        raise StoreError(
-            f"store {out} was written by an older dflash that did not record which conversations it holds "
-            f"(no `content_keys` in {out / MANIFEST}), so it cannot be appended to. Recapture it with "
-            "--overwrite (or into another --out); stores written from now on can grow."
-        )
-    if manifest.get("dataset_fingerprint") != rows.fingerprint or int(manifest["num_shards"]) != num_shards:
-        raise StoreError(
-            f"store {out} was written by a different run (another dataset than {cfg.data}, or another --shards "
-            f"than {num_shards}). Rerunning continues a store only with the same inputs; pass --overwrite to "
-            "start over, or choose another --out."
-        )
-    return unfinished(out, [legacy_part(manifest)])
-
-
-__all__ = ["Rows", "first_part", "legacy_part", "plan_parts", "unfinished"]
+__all__ = ["DatasetKeys", "first_part", "plan_parts", "unfinished"]

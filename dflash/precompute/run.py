@@ -30,11 +30,11 @@ from dflash.errors import ConfigError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
 from dflash.precompute.badrows import REPORT, check_rows
-from dflash.precompute.grow import Rows, plan_parts
+from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
-from dflash.spawned import die_with_parent, supervise
+from dflash.spawned import die_with_parent, raise_failure, supervise
 from dflash.store import create_or_check_manifest, read_manifest
-from dflash.store.manifest import FORMAT_VERSION, MANIFEST, manifest_differences
+from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
 from dflash.target.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
@@ -93,7 +93,7 @@ def _held_keys(cfg: PrecomputeConfig, tok_hash: str) -> set[bytes]:
         return set()
 
 
-def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Rows]:
+def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], DatasetKeys]:
     """Validate everything and return (manifest, layer ids, the rows' keys) without touching the store."""
     _check_config(cfg, num_shards)
     identity = target_identity(cfg.target)
@@ -117,7 +117,6 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
         "target": {**identity, "path": portable(cfg.target, cfg.out)},
         "tokenizer_hash": tok_hash,
         "dataset_fingerprint": fingerprint,
-        "content_keys": True,
         "dataset": {"path": portable(cfg.data, cfg.out), "split": cfg.split, "max_samples": cfg.max_samples, "num_rows": len(ds)},
         "target_layer_ids": layer_ids,
         "hidden_dtype": cfg.hidden_dtype,
@@ -126,7 +125,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Ro
         "num_shards": num_shards,
         "precompute_config": to_dict(cfg),
     }
-    return manifest, layer_ids, Rows(keys, fingerprint, bad)
+    return manifest, layer_ids, DatasetKeys(keys, fingerprint, bad)
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -186,17 +185,9 @@ def _spawn(jobs: list[ShardJob]) -> None:
     for p in procs.values():
         p.start()
     failure = supervise(procs, queue)
-    if failure is None:
-        return
-    kind, shard, payload = failure
-    if kind == "user":
-        raise DFlashError(f"shard {shard} failed: {payload}")
-    if kind == "died":
-        raise DFlashError(
-            f"shard {shard} process died ({payload}; out of memory?) and the run stopped. What it committed "
-            "is kept: rerun the same command to continue."
-        )
-    raise RuntimeError(f"shard {shard} failed with an unexpected error:\n{payload}")
+    if failure is not None:
+        raise_failure(failure, f"shard {failure[1]}",
+                      "The run stopped; what the shard committed is kept: rerun the same command to continue.")
 
 
 def _rank0_first(fn):
@@ -263,7 +254,7 @@ def _inputs_changed(cfg: PrecomputeConfig, out: Path, manifest: dict) -> bool:
     if not cfg.append and parts[0]["dataset_fingerprint"] == manifest["dataset_fingerprint"] \
             and old["num_shards"] != manifest["num_shards"]:
         diffs.append("num_shards")
-    if diffs or old.get("format_version") != FORMAT_VERSION or not old.get("content_keys"):
+    if diffs or not is_current_format(old):
         print(f"precompute: {out} was made from other inputs ({'; '.join(diffs) or 'format'}); starting it over.",
               flush=True)
         return True

@@ -31,7 +31,7 @@ from dflash.config import PrecomputeConfig
 from dflash.precompute.render_pool import RenderPool, auto_workers
 from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
-from dflash.store.parts import Part, part_path, part_rows
+from dflash.store.parts import Part, part_rows
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
 from dflash.target.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
@@ -48,18 +48,17 @@ class ShardJob:
     layer_ids: list[int]
     threads: int = 0  # CPU threads for this process (0 = leave torch's default)
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
-    pipelined: bool = True  # False: the old serial write path (copy out, append, commit inline; benches, tests)
     writer: str | None = None  # process | thread (None: cfg.writer)
     write_slots: int = 3  # host buffers between the GPU and the writer (batches in flight)
     part: Part | None = None  # the part this shard belongs to (None: the whole dataset, as part 0)
 
     def rows(self, num_rows: int) -> tuple[list[int], int]:
-        """(the dataset rows this shard captures, the id of row 0)."""
-        part = self.part or Part(0, 0, self.num_shards, 0, "", num_rows)
-        j = self.shard - part.first_shard
-        if part_path(self.cfg.out, part.index).is_file():
-            return part_rows(self.cfg.out, part.index)[j :: part.num_shards].tolist(), part.id_base
-        return list(range(j, num_rows, part.num_shards)), part.id_base  # a store from before parts
+        """(the dataset rows this shard captures, the id of row 0); without a part, every row of the
+        dataset, as sample ids."""
+        if self.part is None:
+            return list(range(self.shard, num_rows, self.num_shards)), 0
+        j = self.shard - self.part.first_shard
+        return part_rows(self.cfg.out, self.part.index)[j :: self.part.num_shards].tolist(), self.part.id_base
 
 
 
@@ -110,7 +109,6 @@ def run_shard(job: ShardJob) -> dict:
         capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        slow = float(os.environ.get("DFLASH_TEST_SLOW_WRITES", "0") or 0)  # tests: widen the kill windows
         stats = {"rows": len(rows), "skipped": 0, "cut_away": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
         writer_args = dict(
             store_path=cfg.out,
@@ -123,10 +121,9 @@ def run_shard(job: ShardJob) -> dict:
             chunk_tokens=cfg.store_chunk_tokens,
         )
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
-        mode = (job.writer or cfg.writer) if job.pipelined else "serial"
         frozen = False
         workers = cfg.render_workers if cfg.render_workers is not None else auto_workers(device.type, job.num_shards)
-        with open_sink(writer_args, device, mode, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct, \
+        with open_sink(writer_args, device, job.writer or cfg.writer, job.write_slots, capacity) as sink, hostgc.GcTimer() as gct, \
                 RenderPool(cfg, tokenizer, ds, workers, WINDOW) as pool:
             done = sink.committed_sample_ids()  # resume: the samples already committed
             t_loop = time.time()
@@ -144,14 +141,12 @@ def run_shard(job: ShardJob) -> dict:
                     members = [samples[i] for i in batch]
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if id_base + r not in done]
                     if todo:
-                        _write_batch(sink, capture, members, todo, device, pad_id, cfg.hidden_dtype, id_base)
+                        _write_batch(sink, capture, members, todo, device, pad_id, id_base)
                         if not frozen:  # the model and the compiled top-k exist now: no collection walks them
                             hostgc.freeze()
                             frozen = True
                         stats["new_samples"] += len(todo)
                         stats["new_tokens"] += sum(len(rd.input_ids) for _, _, rd in todo)
-                        if slow:
-                            time.sleep(slow)
                     bar.update(len(members))
                     elapsed = max(time.time() - t_loop, 1e-9)
                     bar.set_postfix_str(f"{stats['new_tokens'] / elapsed:,.0f} tok/s", refresh=False)
@@ -176,17 +171,13 @@ def _exit_if_orphaned(job: ShardJob) -> None:
 
 def open_sink(writer_args: dict, device, mode: str = "process", slots: int = 3, capacity_tokens: int = 0):
     """What `_write_batch` sends batches to, a context manager with committed_sample_ids() and
-    finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), on a
-    thread of this one (WritePipeline), or, mode "serial", the writer itself, called inline."""
+    finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), or on
+    a thread of this one (WritePipeline)."""
     if mode == "process":
         return ProcessWritePipeline(writer_args, device, slots=slots, capacity_tokens=capacity_tokens)
-    writer = ShardWriter(**writer_args)
-    if mode == "serial":
-        return writer
     if mode != "thread":
-        writer.abort()
-        raise ValueError(f"writer must be process, thread or serial, not {mode!r}")
-    return WritePipeline(writer, device, slots=slots, capacity_tokens=capacity_tokens)
+        raise ValueError(f"writer must be process or thread, not {mode!r}")
+    return WritePipeline(ShardWriter(**writer_args), device, slots=slots, capacity_tokens=capacity_tokens)
 
 
 def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,29 +191,9 @@ def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), lens
 
 
-def _write_batch(writer, capture, members, todo, device, pad_id, hidden_dtype, id_base: int = 0) -> None:
-    """Capture one batch and store its `todo` rows: handed to the WritePipeline's thread when `writer` is
-    one, else copied out and appended right here (the serial path)."""
+def _write_batch(sink, capture, members, todo, device, pad_id, id_base: int = 0) -> None:
+    """Capture one batch and hand its `todo` rows to the sink's writer."""
     device = torch.device(device)
     out = capture(*_batch_ids(members, device, pad_id))
-    if isinstance(writer, WritePipeline):
-        writer.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
-                      out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
-        return
-    lengths = [len(rd.input_ids) for _, rd in members]
-    hidden = out["hidden"]
-    if hidden_dtype == "bf16":
-        hidden = hidden.to(torch.bfloat16).cpu()  # one transfer per batch; fp8 is quantised on the device
-    topk_ids = out["topk_ids"].cpu() if "topk_ids" in out else None
-    topk_lp = out["topk_logprobs"].cpu() if "topk_logprobs" in out else None
-    for b, r, rd in todo:
-        n = lengths[b]
-        writer.append(
-            sample_id=id_base + r,
-            source_row=r,
-            input_ids=rd.input_ids,
-            loss_mask=rd.loss_mask,
-            hidden=hidden[b, :n],
-            topk_ids=topk_ids[b, :n] if topk_ids is not None else None,
-            topk_logprobs=topk_lp[b, :n] if topk_lp is not None else None,
-        )
+    sink.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
+                out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))

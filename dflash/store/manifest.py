@@ -14,7 +14,6 @@ Manifest keys (the ones with meaning; anything else is kept as free-form run inf
     target              dflash.target.files.target_identity(...) dict
     tokenizer_hash      dflash.target.files.tokenizer_hash(...)
     dataset_fingerprint str identifying part 0's input rows (sha256 of the files, or datasets fingerprint)
-    content_keys        true when the store records conversation keys per part (it can be appended to)
     target_layer_ids    list[int]
     hidden_dtype        "bf16" | "fp8"
     topk                int (0 = no top-k arrays)
@@ -37,7 +36,7 @@ from dflash.store.durable import atomic_write_bytes, disk_full_error, fsync_dir,
 
 __all__ = ["atomic_write_bytes", "disk_full_error", "fsync_dir", "is_disk_full"]  # (durable's, re-exported)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: part records with conversation keys (dflash/store/parts.py)
 MANIFEST = "manifest.json"
 STATUS = "status.json"
 
@@ -76,9 +75,23 @@ def _get(m: dict, key: str, sub: str | None):
 
 # What a part of its own may change (parts.py): the dataset it captured and its shard count.
 DATA_FIELDS = ("dataset_fingerprint", "num_shards")
-# Recorded since session 13: a store made before has none, and a checkpoint without safetensors gives
-# none; the field is compared only when both sides have it.
+# A checkpoint without safetensors has no weights fingerprint: the field is compared only when both sides
+# have it.
 IF_RECORDED = ("weights_fingerprint",)
+
+
+def is_current_format(m) -> bool:
+    return isinstance(m, dict) and m.get("format_version") == FORMAT_VERSION
+
+
+def check_format(m, root: Path) -> None:
+    """Refuse a store of another format: there is no reading or converting one, only recapturing it."""
+    if not is_current_format(m):
+        version = m.get("format_version") if isinstance(m, dict) else None
+        raise StoreError(
+            f"store {root} has format_version {version!r}, and this dflash reads and writes only "
+            f"{FORMAT_VERSION}: recapture it with `dflash precompute --overwrite --out {root}` (or into another --out)."
+        )
 
 
 def manifest_differences(old: dict, new: dict, data: bool = True) -> list[str]:
@@ -113,11 +126,7 @@ def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, over
         shutil.rmtree(trash)
     if mpath.is_file():
         old = read_json(mpath)
-        if old.get("format_version") != FORMAT_VERSION:
-            raise StoreError(
-                f"store {root} has format_version {old.get('format_version')!r}, this dflash writes "
-                f"{FORMAT_VERSION}; pass --overwrite to start the store over."
-            )
+        check_format(old, root)
         diffs = manifest_differences(old, {"format_version": FORMAT_VERSION, **manifest}, data=data)
         if diffs:
             raise StoreError(
@@ -167,11 +176,7 @@ def read_manifest(store_path: str | os.PathLike) -> dict:
         raise StoreError(
             f"{mpath} does not exist: {root} is not a dflash store (or its precompute never started)."
         ) from None
-    if not isinstance(m, dict) or m.get("format_version") != FORMAT_VERSION:
-        raise StoreError(
-            f"{mpath} has format_version {m.get('format_version') if isinstance(m, dict) else None!r}; "
-            f"this dflash reads {FORMAT_VERSION}. Recreate the store with this version."
-        )
+    check_format(m, root)
     check_manifest(m, mpath)
     parts = P.read_parts(root)
     if parts:  # a grown store: the manifest describes part 0, the part records the rest (parts.py)

@@ -12,8 +12,8 @@ part before any of its shards starts, atomically (tmp + fsync + rename), and is 
 
 Shard `first_shard + j` of a part captures the part's rows `j::num_shards`, and stores row r as sample
 id `id_base + r`; `id_base` is past every id an earlier part can use (its id_base + num_rows), so ids
-are unique over the store and a pure function of the parts.  A store written before parts existed has
-no `parts/` directory: it is one part whose keys are unknown (it cannot be appended to).
+are unique over the store and a pure function of the parts.  A store without a `parts/` directory (its
+shards written directly, not by `dflash precompute`) is read as one part.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _read_part_file(path: Path, with_keys: bool) -> tuple[Part, pa.Table | None]
 
 
 def read_parts(root: str | os.PathLike) -> list[Part]:
-    """The store's parts, in order (metadata only); [] for a store written before parts existed."""
+    """The store's parts, in order (metadata only); [] for a store without part records."""
     d = Path(root) / PARTS
     if not d.is_dir():
         return []

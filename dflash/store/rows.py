@@ -1,5 +1,5 @@
 """Rows in stored form, for the shard writer and the write pipeline: encoding hidden states (bf16 bits, or
-e4m3 bits + a per-token-per-layer scale), numpy conversion, the writer's reusable row buffers, fsync."""
+e4m3 bits + a per-token-per-layer scale), numpy conversion, the writer's reusable token buffers, fsync."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def fsync_files(paths) -> None:
         fsync_dir(d)
 
 
-class Rows:
+class TokenBuffer:
     """A token-major buffer for one array.  append() copies (callers may reuse their tensors); take(k)
     lends the first k rows out (to an I/O thread) and moves the rest to a spare buffer; give_back()
     returns the lent buffer once its write is done.  Reusing buffers matters: a fresh 256 MB numpy

@@ -23,7 +23,7 @@ Semantics are WritePipeline's: batches are appended in submit() order; at most `
 finalize(stats) writes everything and finalizes the shard; close() commits what was given.  The writer
 process opens the shard itself (resume: `committed_sample_ids()` comes from it) and dies with its
 parent (PR_SET_PDEATHSIG on Linux, and a check of its parent between batches), so `kill -9` of a shard
-process leaves only committed state, as before.  An error in the writer process comes back as a
+process leaves only committed state.  An error in the writer process comes back as a
 StoreError naming the original exception and its traceback, at the next submit()/finalize()/close().
 """
 
@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 import queue
-import signal
 import threading
 import traceback
 from types import SimpleNamespace
@@ -42,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import StoreError
+from dflash.spawned import die_with_parent
 from dflash.store import layout
 from dflash.store.pipeline import WritePipeline, _Slot
 
@@ -243,20 +243,8 @@ def _child_error(payload) -> StoreError:
 # -- the writer process ---------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (kill -9 of a shard process takes its writer too)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # elsewhere: the loop below checks the parent between batches
-
-
 def _writer_main(writer_args: dict, shared: list[dict], cmd, back, parent_pid: int) -> None:
-    _die_with_parent()
-    if os.getppid() != parent_pid:
-        os._exit(1)
+    die_with_parent(parent_pid)  # kill -9 of a shard process takes its writer too
     torch.set_num_threads(1)
     try:
         from dflash.store.writer import ShardWriter

@@ -251,20 +251,14 @@ def _ids_in_store(store, ids: set[int]) -> set[int]:
 
     want = np.array(sorted(ids))
     seen: set[int] = set()
-    shards = getattr(store, "shards", None)
-    if shards and all(hasattr(sh, "rows") and hasattr(sh, "end") for sh in shards):
-        total = sum(int(sh.end) for sh in shards)
-        step = 1 << 22
-        with tqdm(total=total, desc="checking mask token candidates", unit="tok", unit_scale=True, leave=False) as bar:
-            for sh in shards:
-                for lo in range(0, int(sh.end), step):
-                    hi = min(int(sh.end), lo + step)
-                    seen.update(int(v) for v in want[np.isin(want, sh.rows("input_ids", lo, hi))])
-                    bar.update(hi - lo)
-        return seen
-    for sid in tqdm(store.sample_ids(), desc="checking mask token candidates", unit="sample", leave=False):
-        x = store.read(sid, fields=["input_ids"])["input_ids"].numpy()
-        seen.update(int(v) for v in want[np.isin(want, x)])
+    total = sum(int(sh.end) for sh in store.shards)
+    step = 1 << 22
+    with tqdm(total=total, desc="checking mask token candidates", unit="tok", unit_scale=True, leave=False) as bar:
+        for sh in store.shards:
+            for lo in range(0, int(sh.end), step):
+                hi = min(int(sh.end), lo + step)
+                seen.update(int(v) for v in want[np.isin(want, sh.rows("input_ids", lo, hi))])
+                bar.update(hi - lo)
     return seen
 
 

@@ -98,9 +98,9 @@ class Trainer:
         data = state["data"]
         self.epoch, self.samples_done = int(data["epoch"]), int(data["samples_consumed"])
         # The data position is a place in the checkpoint's plan, so its grouping stays, on any number of
-        # processes (checkpoints from before balancing have none: a random order).
+        # processes (a checkpoint without one: a random order).
         self.balance_group = int(data.get("balance_group", 1))
-        self.snapshot = data.get("epoch_snapshot")  # checkpoints from before snapshots: the store as it is
+        self.snapshot = data.get("epoch_snapshot")  # a checkpoint without one: the store as it is
         torch.set_rng_state(state["rng"]["cpu"])
         if self.device.type == "cuda" and "cuda" in state["rng"]:
             torch.cuda.set_rng_state(state["rng"]["cuda"])

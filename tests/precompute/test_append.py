@@ -20,7 +20,7 @@ from dflash.store import open_store, verify_store
 from dflash.store.parts import part_path, part_rows
 from dflash.target.capture import load_tokenizer
 from helpers import build_store, make_conversations, make_tiny_target
-from processes import Same, committed, run_cli, store_arrays
+from processes import Same, committed, run_cli, slow_writes, store_arrays
 
 OPTS = dict(commit_every_tokens=200, store_chunk_tokens=16, token_budget=256)
 
@@ -186,7 +186,7 @@ def test_kill9_during_an_append_at_three_points_then_rerun(grown, tmp_path):
         new(10),  # near their end (14 new conversations)
     ]
     for n, when in enumerate(points):
-        rc, _, _ = run_cli(args, env={"DFLASH_TEST_SLOW_WRITES": "0.3"}, kill_when=when)
+        rc, _, _ = run_cli(args, env=slow_writes(0.3), kill_when=when)
         assert rc == -signal.SIGKILL
         assert _files(store / "shard-00000") == grown["before"]  # never touched by the append
         if n == 0:  # an unfinished part is finished first, from its own dataset: another one is refused

@@ -22,7 +22,7 @@ from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
 from dflash.target.capture import load_target, load_tokenizer
 from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
-from processes import Same, committed, run_cli, store_arrays
+from processes import Same, committed, run_cli, slow_writes, store_arrays
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
 
@@ -146,7 +146,7 @@ def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, target
     params.write_text("precompute:\n" + "".join(f"  {k}: {json.dumps(v)}\n" for k, v in opts.items()))
     args = ["--config", str(params), "--target", str(targets["qwen3"]), "--data", str(data), "--out", str(store),
             "--gpus", "cpu", "--max-length", "256"]
-    slow = {"DFLASH_TEST_SLOW_WRITES": "0.15"}
+    slow = slow_writes(0.15)
     points = [
         lambda: (store / "manifest.json").is_file(),  # right after validation: nothing committed yet
         lambda: committed(store) >= total // 3,  # mid-way

@@ -52,20 +52,36 @@ def _cfg(target, data, out, **kw) -> PrecomputeConfig:
     return PrecomputeConfig(**opts)
 
 
-def _run_shard(cfg: PrecomputeConfig, pipelined: bool, slots: int = 2) -> Path:
+def _run_shard(cfg: PrecomputeConfig, slots: int = 2) -> Path:
     manifest, layer_ids, _ = prepare(cfg, 1)
     create_or_check_manifest(cfg.out, manifest)
-    run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, pipelined=pipelined, write_slots=slots))
+    run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, write_slots=slots))
     return Path(cfg.out)
 
 
+class _InlineSink(ShardWriter):
+    """The reference for the pipelines: each sample of a batch copied out and appended on the capture's
+    own thread, as plainly as a shard can be written."""
+
+    def submit(self, samples, hidden, topk_ids=None, topk_logprobs=None) -> None:
+        for b, sid, row, ids, mask in samples:
+            n = len(ids)
+            self.append(sid, row, ids, mask, hidden[b, :n], None if topk_ids is None else topk_ids[b, :n],
+                        None if topk_logprobs is None else topk_logprobs[b, :n])
+
+
 @pytest.mark.parametrize("hidden_dtype,writer", [("bf16", "process"), ("fp8", "process"), ("bf16", "thread"), ("fp8", "thread")])
-def test_pipelined_precompute_is_byte_identical_to_serial(tmp_path, tiny_target, hidden_dtype, writer):
+def test_pipelined_precompute_is_byte_identical_to_inline_appends(tmp_path, tiny_target, hidden_dtype, writer,
+                                                                  monkeypatch):
+    from dflash.precompute import shard
+
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
-    serial = _run_shard(_cfg(tiny_target, data, tmp_path / "serial", hidden_dtype=hidden_dtype), pipelined=False)
-    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype, writer=writer), pipelined=True)
-    want, got = _files(serial), _files(piped)
-    assert len(open_store(serial).sample_ids()) == 14
+    with monkeypatch.context() as m:
+        m.setattr(shard, "open_sink", lambda writer_args, *_, **__: _InlineSink(**writer_args))
+        inline = _run_shard(_cfg(tiny_target, data, tmp_path / "inline", hidden_dtype=hidden_dtype))
+    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", hidden_dtype=hidden_dtype, writer=writer))
+    want, got = _files(inline), _files(piped)
+    assert len(open_store(inline).sample_ids()) == 14
     assert sum(k.startswith("shard-00000/hidden/c/") for k in want) >= 3  # several objects were written
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
@@ -268,7 +284,7 @@ def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_targe
 
 
 @pytest.mark.parametrize("io", [dict(overlap_io=False), dict(io_threads=1), dict(io_threads=3),
-                                dict(io_threads=3, own_event_loops=True), dict(io_threads=3, fused_pipeline=False)])
+                                dict(io_threads=3, fused_pipeline=False)])
 def test_io_threads_do_not_change_the_bytes(tmp_path, io):
     plan = [[0, 1, 2], [3, 4], [5, 6, 7, 8], [9], [10, 11], [12, 13, 14]]
     stores = {}
@@ -283,9 +299,9 @@ def test_io_threads_do_not_change_the_bytes(tmp_path, io):
 
 
 def test_row_buffers_are_reused():
-    from dflash.store.rows import Rows
+    from dflash.store.rows import TokenBuffer
 
-    r = Rows(np.dtype("uint16"), (4,), 8)  # like the writer: whole objects of 4 rows taken, the rest kept
+    r = TokenBuffer(np.dtype("uint16"), (4,), 8)  # like the writer: whole objects of 4 rows taken, the rest kept
     seen, want = [], []
     for i in range(6):
         r.append(np.full((5, 4), i, np.uint16))

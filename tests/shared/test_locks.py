@@ -20,6 +20,7 @@ from dflash.config import PrecomputeConfig, TrainConfig, build_config
 from dflash.errors import ConfigError, LockedError
 from dflash.locks import dir_lock, lock_path, read_holder
 from helpers import build_store, make_conversations_jsonl
+from processes import slow_writes
 
 ROOT = Path(__file__).resolve().parents[2]
 DFLASH = [sys.executable, "-m", "dflash.cli"]
@@ -104,7 +105,7 @@ def test_second_precompute_and_overwrite_are_refused_while_one_writes(tmp_path, 
 
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 40, seed=3)
     store = tmp_path / "store"
-    first = subprocess.Popen(DFLASH + _precompute_args(tiny_target, data, store), env=_env(DFLASH_TEST_SLOW_WRITES="0.5"),
+    first = subprocess.Popen(DFLASH + _precompute_args(tiny_target, data, store), env=_env(**slow_writes(0.5)),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for_holder(store, first, also=lambda: (store / "manifest.json").is_file())

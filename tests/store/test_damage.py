@@ -359,3 +359,22 @@ def test_skip_damaged_trains_on_and_counts_the_damaged_sample(store, tiny_store,
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["damaged_skipped"] for r in rows) == 1
     assert sum(r["samples"] for r in rows) == len(s0) - 1  # one epoch: every other sample once
+
+
+def test_a_store_of_another_format_is_refused_in_one_message(store, tiny_store):
+    """Reading and writing alike: the store is named and the way out is to recapture it."""
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+    from dflash.store import create_or_check_manifest
+
+    _edit_manifest(store, lambda m: m.update(format_version=1))
+    want = rf"store {store} has format_version 1, and this dflash reads and writes only 2: recapture it"
+    with pytest.raises(StoreError, match=want):
+        open_store(store)
+    with pytest.raises(StoreError, match=want):
+        create_or_check_manifest(store, json.loads((store / "manifest.json").read_text()))
+    target, data, _ = tiny_store
+    res = CliRunner().invoke(main, ["precompute", "--target", str(target), "--data", str(data), "--out", str(store),
+                                    "--gpus", "cpu", "--target-layers", "1,2", "--topk", "4"])
+    assert res.exit_code != 0 and "recapture it" in res.output and "Traceback" not in res.output, res.output

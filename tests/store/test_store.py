@@ -127,11 +127,11 @@ def test_compressed_hidden_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("compressor", [None, "zstd"])
-@pytest.mark.parametrize("io", [dict(), dict(own_event_loops=True), dict(overlap_io=False)])
+@pytest.mark.parametrize("io", [dict(), dict(overlap_io=False)])
 def test_fused_pipeline_writes_the_same_files(tmp_path, compressor, io):
     """fused_pipeline (zarr >= 3.4's FusedCodecPipeline, ignored on older zarr) against zarr's default pipeline:
     the same files, all-zero objects kept (write_empty_chunks), across a reopen and a partial last object."""
-    from dflash.store import writer as writer_module
+    from dflash.store.objects import FUSED
 
     def zeroed(sid):  # samples 10..19 have all-zero hidden states: whole zero objects (32 tokens each)
         x = sample(sid)
@@ -147,7 +147,7 @@ def test_fused_pipeline_writes_the_same_files(tmp_path, compressor, io):
             with ShardWriter(root, 0, hidden_width=W, num_layers=L, topk=K, hidden_compressor=compressor,
                              fused_pipeline=fused, **{**SMALL, **io}) as w:
                 pipelines = {type(a.async_array.codec_pipeline).__name__ for a in w.arrays.values()}
-                want = "FusedCodecPipeline" if fused and writer_module._FUSED else "BatchedCodecPipeline"
+                want = "FusedCodecPipeline" if fused and FUSED else "BatchedCodecPipeline"
                 assert pipelines == {want}
                 for sid in ids:
                     w.append(sid, sid, **zeroed(sid))

@@ -22,7 +22,7 @@ from dflash.errors import ConfigError
 from dflash.store import open_store
 from dflash.train.launch import launch_train
 from helpers import build_store, make_tiny_target
-from processes import committed, run_cli
+from processes import committed, run_cli, slow_writes
 from train_fixtures import counting_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +123,7 @@ def test_follow_trains_while_precompute_writes_through_a_killed_writer(growing, 
         args = ["--target", target, "--data", growing["grown"], "--out", store, "--gpus", "cpu", "--max-length", "256",
                 "--topk", "4", "--target-layers", "1,2", "--token-budget", "256", "--commit-every-tokens", "200"]
         # killed once the trainer has planned its first epoch over what was committed (its progress bar is up)
-        rc, _, _ = run_cli(args, env={"DFLASH_TEST_SLOW_WRITES": "0.5"},
+        rc, _, _ = run_cli(args, env=slow_writes(0.5),
                            kill_when=lambda: "train:" in log.read_text() and committed(store) > 0)
         assert rc == -signal.SIGKILL and not open_store(store).complete  # the writer died mid-store
         partial = len(open_store(store))

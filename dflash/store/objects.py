@@ -1,0 +1,171 @@
+"""The Zarr side of a shard writer: a shard's arrays, and the writes of whole objects to them.
+
+Every array is token-major and uses the Zarr v3 sharding codec with one *object* (file) per `S` tokens,
+holding inner chunks of a few MB.  `ObjectWrites` writes whole objects only, each exactly once, in one
+contiguous slice per array, on I/O threads (Zarr, numpy and os.fsync only: no torch, no compiled code, no
+masks) so that the caller goes on meanwhile; each write fsyncs its own objects right after writing them.
+A failed write poisons the writer (dflash/store/writer.py says why that keeps commits honest).
+
+Compression: zstd/blosc-zstd shrink bf16 hidden states only a little, and encode and decode them slower
+than precompute produces them and training reads them, so `hidden` is stored uncompressed by default
+(`hidden_compressor="zstd"` turns it on); ids, masks and top-k use blosc-zstd with byte shuffle.  Where
+zarr has it, the arrays are written through zarr's FusedCodecPipeline (same bytes) rather than its default
+pipeline, which encodes every object on zarr's one event-loop thread and then bounds the writer; with it
+precompute's GPU does not wait for the store.  Write rates are in docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.storage import LocalStore
+
+from dflash.errors import StoreError
+from dflash.store.durable import disk_full_error, is_disk_full
+from dflash.store.rows import fsync_files
+
+try:  # zarr >= 3.4
+    from zarr.core.codec_pipeline import FusedCodecPipeline
+
+    FUSED: str | None = f"{FusedCodecPipeline.__module__}.{FusedCodecPipeline.__qualname__}"
+except ImportError:
+    FUSED = None
+
+
+def open_arrays(shard_dir: Path, specs: dict, attrs: dict, S: int, ci: int, hidden_compressor: str | None,
+                fused: bool) -> dict[str, zarr.Array]:
+    """The shard's arrays, made with objects of `S` tokens and inner chunks of `ci` (an existing shard keeps
+    its own); `attrs` must match those the shard was made with."""
+    # An array keeps the codec pipeline of the config in force when it is made (resize keeps it), and
+    # zarr has no per-array setting for it.  The config is global, so arrays other threads happen to
+    # open meanwhile get the fused pipeline too: it reads and writes the same bytes.
+    with zarr.config.set({"codec_pipeline.path": FUSED} if fused and FUSED else {}):
+        group = zarr.open_group(LocalStore(shard_dir), mode="a")
+        if not group.attrs.get("hidden_dtype"):
+            group.attrs.update(attrs)
+        else:
+            diffs = [f"{k}: shard has {group.attrs.get(k)!r}, writer has {v!r}" for k, v in attrs.items()
+                     if group.attrs.get(k) != v]
+            if diffs:
+                raise StoreError(
+                    f"{shard_dir} was written with other settings ({'; '.join(diffs)}); rerun with the "
+                    "original settings or pass --overwrite to start over."
+                )
+        return {name: _open_array(group, name, dtype, row, attrs["hidden_dtype"], S, ci, hidden_compressor)
+                for name, (dtype, row) in specs.items()}
+
+
+def _open_array(group, name: str, dtype, row: tuple, hidden_dtype: str, S: int, ci: int, hidden_compressor):
+    # every written object and inner chunk exists, all-zero ones too: simple cleanup and fsync, and the
+    # bytes do not depend on the data.  A runtime setting, not stored: a resumed shard needs it again.
+    keep_empty = {"write_empty_chunks": True}
+    if name in group:
+        return group[name].with_config(keep_empty)
+    if name == "hidden":
+        chunks, comp = (ci, *row), (ZstdCodec(level=1) if hidden_compressor == "zstd" else None)
+        extra = {"dtype": "bfloat16" if hidden_dtype == "bf16" else "float8_e4m3fn", "bits": str(dtype)}
+        if hidden_dtype == "fp8":
+            extra["scale"] = "hidden_scale [T, num_layers] float32 = amax/448; value = e4m3 * scale"
+    else:
+        chunks, comp, extra = (S, *row), BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), {}
+    return group.create_array(name=name, shape=(0, *row), dtype=dtype, chunks=chunks, shards=(S, *row),
+                              compressors=comp, fill_value=0, attributes=extra, config=keep_empty)
+
+
+def object_path(shard_dir: Path, name: str, row: tuple, k: int) -> Path:
+    """The file of object `k` of array `name` (rows of shape `row`)."""
+    p = shard_dir / name / "c" / str(k)
+    return p / "0" if row else p
+
+
+def remove_objects_from(shard_dir: Path, names, first: int) -> None:
+    """Delete the objects `first`, `first` + 1, ... of every array: no commit refers to them."""
+    for name in names:
+        d = shard_dir / name / "c"
+        for p in d.iterdir() if d.is_dir() else ():
+            if p.name.isdigit() and int(p.name) >= first:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+class ObjectWrites:
+    """Writes of whole objects to `arrays`, up to `io_threads` in flight at once, each to objects no other
+    write touches (io_threads 0: each written inline, on the caller's thread).  `on_written(lent)` gets a
+    write's lent buffers back once it is done, on the caller's thread."""
+
+    def __init__(self, arrays: dict[str, zarr.Array], shard_dir: Path, io_threads: int, durable: bool, on_written):
+        self.arrays, self.dir, self.durable, self._on_written = arrays, shard_dir, durable, on_written
+        self.max_inflight = max(0, int(io_threads))
+        self._io = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="dflash-store-io") if self.max_inflight else None
+        self._inflight: deque = deque()  # (future, {array: lent buffer}), oldest first
+        self.failed: BaseException | None = None
+
+    def check_ok(self) -> None:
+        if self.failed is not None:
+            e = self.failed
+            if isinstance(e, StoreError):  # already says where and what to do (a full disk)
+                raise StoreError(str(e)) from e
+            raise StoreError(
+                f"{self.dir}: an earlier write failed ({type(e).__name__}: {e}), so nothing more is committed; "
+                "fix the cause and rerun the same command to resume from the last commit."
+            ) from e
+
+    def make_room(self, final: bool) -> None:
+        """Before a write: wait until it may start (a final one, which may shrink an array, waits for all)."""
+        if final or self._io is None:
+            self.drain()
+            return
+        self.reap(block=False)  # collect finished writes first, so that their buffers are reused
+        while len(self._inflight) >= self.max_inflight:
+            self.reap(block=True)
+
+    def submit(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path], lent: dict,
+               inline: bool = False) -> None:
+        """Write tokens [lo, hi) of every array (`objects`: their files), on an I/O thread unless `inline`."""
+        if self._io is not None and not inline:
+            self._inflight.append((self._io.submit(self._store, lo, hi, slices, objects), lent))
+            return
+        try:
+            self._store(lo, hi, slices, objects)
+        except BaseException as e:
+            self.failed = e
+            raise
+        self._on_written(lent)
+
+    def _store(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path]) -> None:
+        """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories."""
+        try:
+            for name, arr in self.arrays.items():
+                arr[lo:hi] = slices[name]
+            if self.durable:
+                fsync_files(objects)
+        except Exception as e:
+            if is_disk_full(e):  # the objects are not committed: a rerun after freeing space rewrites them
+                raise disk_full_error(objects[0] if objects else self.dir, e) from e
+            raise
+
+    def reap(self, block: bool) -> None:
+        """Collect finished writes (with block, at least the oldest); a failed one poisons the writer."""
+        while self._inflight and (block or self._inflight[0][0].done()):
+            f, lent = self._inflight.popleft()
+            block = False
+            try:
+                f.result()  # re-raises a failed write here, before any commit can refer to it
+            except BaseException as e:
+                self.failed = e
+                raise
+            self._on_written(lent)
+
+    def drain(self) -> None:
+        while self._inflight:
+            self.reap(block=True)
+
+    def shutdown(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
