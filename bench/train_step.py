@@ -27,7 +27,7 @@ from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s
 from dflash import masks
 from dflash.config import TrainConfig
 from dflash.model import DrafterConfig
-from dflash.target.files import default_target_layers
+from dflash.target_model.files import default_target_layers
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import IGNORE, block_loss
 from dflash.train.step import TrainStep

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.masks import TiledMask, tiled_sdpa
-from dflash.target.files import engine_layer_problem  # noqa: F401  (re-exported: train and export ask it here)
+from dflash.target_model.files import engine_layer_problem  # noqa: F401  (re-exported: train and export ask it here)
 
 INIT_STD = 0.02
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -116,7 +116,7 @@ class DrafterConfig:
                     target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                     layer_types: list[str] | None = None, sliding_window: int | None = None) -> DrafterConfig:
         """Copy the target's layer shape (as z-lab does); `num_layers` drafter layers."""
-        from dflash.target.files import default_target_layers
+        from dflash.target_model.files import default_target_layers
 
         tc = target_config
         if hasattr(tc, "get_text_config"):

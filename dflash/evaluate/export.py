@@ -240,7 +240,7 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
 
 
 def _lm_head_of(train_config: dict):
-    from dflash.target.files import load_embed_and_head
+    from dflash.target_model.files import load_embed_and_head
 
     target = (train_config.get("train") or train_config).get("target")
     if target and Path(target).is_dir():

@@ -44,12 +44,12 @@ def _sync(device: torch.device) -> None:
 class LayerCapture:
     """Forward hooks keeping the *output* of the chosen decoder layers from the latest target call.
 
-    Same convention as precompute (dflash.target.capture.Capture): the output of layer i is `hidden_states[i+1]`
+    Same convention as precompute (dflash.target_model.capture.Capture): the output of layer i is `hidden_states[i+1]`
     in transformers terms, and for the last layer that is the state after the final norm.
     """
 
     def __init__(self, target, layer_ids: list[int]):
-        from dflash.target.capture import check_layers, decoder_layers
+        from dflash.target_model.capture import check_layers, decoder_layers
 
         layers = decoder_layers(target)
         self.layer_ids = check_layers(list(layer_ids), len(layers), getattr(target, "name_or_path", "?"))

@@ -73,7 +73,7 @@ def plan(target_dir: str, drafter_config, target_config) -> dict:
     naming the target file, the tensor and both shapes when a layer cannot be copied."""
     from safetensors import safe_open
 
-    from dflash.target.files import _safetensors_index, _target_dir
+    from dflash.target_model.files import _safetensors_index, _target_dir
 
     target = _target_dir(target_dir)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config

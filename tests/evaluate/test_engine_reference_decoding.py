@@ -98,7 +98,7 @@ def test_online_tau_equals_an_engine_semantics_loop(tmp_path, layer_types):
 
     from dflash.evaluate.speculative import greedy_generate, speculative_generate
     from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
     from helpers import make_tiny_target
 
     torch.set_num_threads(1)

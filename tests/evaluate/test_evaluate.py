@@ -27,7 +27,7 @@ B = 8
 def setup(tmp_path_factory):
     """(target dir, target model, tokenizer, prompts): a random-init tiny Qwen3 on CPU in fp32."""
     from dflash.evaluate.run import load_prompts
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("eval")
@@ -160,7 +160,7 @@ def test_offline_tau_on_a_store(tiny_store):
     from dflash.evaluate.run import offline_tau
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target.files import load_embed_and_head, target_config
+    from dflash.target_model.files import load_embed_and_head, target_config
 
     target_dir, _, store_dir = tiny_store
     store = open_store(store_dir)
@@ -190,7 +190,7 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
     """End to end through the CLI: a checkpoint on disk, offline + online, files for dvc."""
     from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
 
     target_dir, chats, store_dir = tiny_store
     store = open_store(store_dir)

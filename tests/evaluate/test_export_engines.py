@@ -37,7 +37,7 @@ def _env() -> dict:
 
 def _drafter(target_dir, ids, layer_types=None, window=None, num_layers=2, B=8):
     from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
 
     tc = target_config(target_dir)
     cfg = DrafterConfig.from_target(tc, num_layers=num_layers, block_size=B, target_layer_ids=ids,

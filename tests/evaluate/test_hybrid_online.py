@@ -23,7 +23,7 @@ N = 40  # new tokens: prompt (~20) + N runs well past gpt-oss's sliding window o
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, tmp_path_factory):
     from dflash.evaluate.run import load_prompts
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
     from helpers import make_conversations_jsonl
 
     torch.set_num_threads(1)

@@ -324,7 +324,7 @@ def test_speculative_loop_with_a_sliding_drafter(tmp_path):
 
     from dflash.evaluate.speculative import LayerCapture, greedy_generate, speculative_generate
     from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
     from helpers import make_tiny_target
 
     target_dir = make_tiny_target(tmp_path)
