@@ -176,10 +176,8 @@ def speculative_generate(
             )
             draft_cache.crop(start)
             drafted = start
-            if hasattr(drafter, "propose"):  # DFlash2: the candidate selector's greedy walk, as served
-                proposals = drafter.propose(hidden[:, 1:].to(head.weight.dtype), head.weight, anchor.view(1))[0]
-            else:
-                proposals = head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
+            # lm_head's argmax, or DFlash2's candidate selector's greedy walk, as served
+            proposals = drafter.propose(hidden[:, 1:].to(head.weight.dtype), head.weight, anchor.view(1))[0]
             if propose is not None:
                 proposals = propose(start, proposals).to(device=device, dtype=torch.long)
             block[0, 1:] = proposals

@@ -41,7 +41,7 @@ RULE = "drafter layer i <- target layer L - n + i (the target's last n layers)"
 
 
 def _drafter_shapes(drafter_config) -> dict[str, tuple[int, ...]]:
-    from dflash.dflash2 import build_drafter
+    from dflash.drafter import build_drafter
 
     with torch.device("meta"):
         model = build_drafter(drafter_config)

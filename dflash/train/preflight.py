@@ -30,7 +30,7 @@ class Setup:
     cfg: TrainConfig
     store: object  # dflash.store.Store
     identity: dict
-    drafter_config: object  # dflash.model.DrafterConfig
+    drafter_config: object  # dflash.drafter.DrafterConfig
     spec: LoaderSpec
     mask_token_id: int
     mask_token_source: str
@@ -270,9 +270,9 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
 
 
 def preflight(cfg: TrainConfig) -> Setup:
-    from dflash.model import DrafterConfig, engine_layer_problem
+    from dflash.drafter import DrafterConfig
     from dflash.store import compare_manifest, open_store
-    from dflash.target_model.files import target_config, target_identity, tokenizer_hash
+    from dflash.target_model.files import engine_layer_problem, target_config, target_identity, tokenizer_hash
 
     _check_options(cfg)
     check_run_dir(cfg)

@@ -36,7 +36,7 @@ def setup(request, tmp_path_factory):
 
 
 def make_drafter(target, tok, seed=0):
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.from_target(target.config, num_layers=1, block_size=B, target_layer_ids=[1, 3],
                                     mask_token_id=len(tok))

@@ -20,7 +20,7 @@ from dflash.train import checkpoint as ckpt
 
 @pytest.fixture(scope="module")
 def drafter(tiny_store):
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.target_model.files import target_config
 
     target, _, _ = tiny_store
