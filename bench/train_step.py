@@ -28,7 +28,7 @@ from dflash.config import TrainConfig
 from dflash.drafter import DrafterConfig, masks
 from dflash.target_model.files import default_target_layers
 from dflash.train.feeder import DeviceFeeder
-from dflash.train.loss import IGNORE, block_loss
+from dflash.train.loss import IGNORE, block_loss, chunk_kernel
 from dflash.train.step import TrainStep
 from step_workload import (
     FLOP_FORMULAS,
@@ -96,8 +96,9 @@ class Bench:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
         out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
-                         denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
-                         kernel=getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
+                         denom=denom, chunk=self.args.lm_head_chunk,
+                         kernel=chunk_kernel(getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
+                                             False, hidden.device, compiled=fused),
                          label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
         if not optimizer_step:  # gradient accumulation (variant accum=N): the optimizer runs every N-th
@@ -367,7 +368,7 @@ def parse_variant(spec: str) -> dict:
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
     on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
     reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); loss=triton runs the per-chunk softmax /
-    gradient with dflash.train.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
+    gradient with dflash.train.loss_kernel's Triton kernel (--loss-kernel triton), loss=compiled is the default."""
     out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
            "cdt": False, "loss": "compiled"}
     for part in spec.split(","):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from dflash.config import TrainConfig
 from dflash.drafter import attention
 from dflash.train import parallel
-from dflash.train.loss import block_loss
+from dflash.train.loss import block_loss, chunk_kernel
 
 HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
 
@@ -146,7 +146,8 @@ class TrainStep:
         self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes, flex_kernel_options)
         self.optimizer = make_optimizer(self.raw, cfg, device)
         self.embed, self.head = embed, head
-        self.fused = compiled(cfg, device)
+        self.compiled = compiled(cfg, device)
+        self.loss_kernel = chunk_kernel(cfg.loss_kernel, cfg.kd_weight > 0, device, self.compiled)
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
@@ -207,7 +208,7 @@ class TrainStep:
         average over: the gradient of the global weighted mean."""
         clock = self.host
         t0 = time.perf_counter()
-        block_mask = attention.mask_for(m["mask"], m["ctx_hidden"].device, compiled=self.fused)
+        block_mask = attention.mask_for(m["mask"], m["ctx_hidden"].device, compiled=self.compiled)
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
@@ -237,7 +238,7 @@ class TrainStep:
         out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
                          topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
                          kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
-                         label_index=m.get("label_index"), fused=self.fused, kernel=cfg.loss_kernel)
+                         label_index=m.get("label_index"), kernel=self.loss_kernel)
         if dflash2:
             out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m["block_input_ids"], weight, sel,
                                         block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)
