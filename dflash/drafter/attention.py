@@ -22,7 +22,7 @@ from dflash.drafter.masks import (
     SLIDING,
     SLIDING_ATTENTION,
     TILE,
-    _batched,
+    batched,
     block_mask_to_dense,
     has_sliding,
     to_block_mask,
@@ -144,7 +144,7 @@ def _tiled(meta: dict[str, torch.Tensor], sliding: bool, tile: int) -> TiledMask
 def to_tiled_mask(meta: dict[str, torch.Tensor], tile: int = TILE):
     """to_dense_mask's mask as a TiledMask, from the tile lists and descriptors alone (no Q x (S+Q) mask is
     built); with sliding-window tiles in `meta`, {"full_attention": ..., "sliding_attention": ...}."""
-    meta = _batched(meta)
+    meta = batched(meta)
     if has_sliding(meta):
         return {FULL_ATTENTION: _tiled(meta, False, tile), SLIDING_ATTENTION: _tiled(meta, True, tile)}
     return _tiled(meta, False, tile)

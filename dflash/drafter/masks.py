@@ -231,7 +231,7 @@ def make_mask_mod(desc: dict[str, torch.Tensor], sliding: bool = False):
     return mask_mod
 
 
-def _batched(meta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def batched(meta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if meta["kv_num_blocks"].dim() == 1:  # a single row
         return {k: v.unsqueeze(0) for k, v in meta.items()}
     return meta
@@ -244,7 +244,7 @@ def to_block_mask(meta: dict[str, torch.Tensor], tile: int = TILE):
     BlockMask} (both over the same descriptors); the drafter picks one per layer."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    meta = _batched(meta)
+    meta = batched(meta)
     Q, SQ = meta["q_sample"].shape[-1], meta["kv_sample"].shape[-1]
 
     def build(prefix: str, sliding: bool):
@@ -298,7 +298,7 @@ def block_mask_to_dense(bm):
 def to_dense_mask(meta: dict[str, torch.Tensor]):
     """Bool [R, 1, Q, S+Q] for the model's SDPA path (small inputs, CPU, debugging); with sliding-window
     tiles in `meta`, {"full_attention": mask, "sliding_attention": mask} as to_block_mask gives."""
-    meta = _batched(meta)
+    meta = batched(meta)
     if has_sliding(meta):
         return {FULL_ATTENTION: dense_mask(meta).unsqueeze(1), SLIDING_ATTENTION: dense_mask(meta, True).unsqueeze(1)}
     return dense_mask(meta).unsqueeze(1)
