@@ -32,7 +32,7 @@ import torch
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 from common import Results, elapsed, median, part_limit_s, sync, tiny_mode
-from dflash import masks
+from dflash.drafter import masks
 from dflash.train import plan as P
 from loader_bench import build_store, shapes
 from step_workload import to_device

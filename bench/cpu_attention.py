@@ -1,4 +1,4 @@
-"""The CPU training path's attention on one packed row: dense-masked SDPA against `masks.tiled_sdpa`
+"""The CPU training path's attention on one packed row: dense-masked SDPA against `attention.tiled_sdpa`
 (only the key tiles each query tile sees), forward + backward, and their largest difference.
 
     python bench/cpu_attention.py [--samples 5] [--anchors 64] [--block 8] [--ctx 2048] [--reps 3]
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dflash import masks
+from dflash.drafter import attention, masks
 
 
 def packed_row(samples: int, anchors: int, block: int, ctx: int, seed: int = 0) -> dict:
@@ -53,7 +53,7 @@ def main() -> None:
     result = {"Q": Q, "K": K, "visible_fraction": round(mask.float().mean().item(), 4),
               "threads": torch.get_num_threads()}
     outs = {}
-    for name, fn in (("dense", dense_sdpa), ("tiled", masks.tiled_sdpa)):
+    for name, fn in (("dense", dense_sdpa), ("tiled", attention.tiled_sdpa)):
         t0 = time.perf_counter()
         for _ in range(a.reps):
             out = fn(*leaves, mask, 0.125)

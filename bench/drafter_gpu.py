@@ -17,8 +17,7 @@ import time
 import numpy as np
 import torch
 
-from dflash import masks
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter, DrafterConfig, masks
 
 
 def packed_row(rng, S, Q, B, mean_len):

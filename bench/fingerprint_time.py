@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash.target.files import weights_fingerprint  # noqa: E402
+from dflash.target_model.files import weights_fingerprint  # noqa: E402
 
 HIDDEN, INTER, VOCAB, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 151936, 36, 32, 8, 128
 

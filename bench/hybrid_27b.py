@@ -9,7 +9,7 @@ layers, window 2048, then one full layer).
 `--part capture` runs itself twice in subprocesses, once with DIR (where the fla wheels are installed)
 on sys.path and once without, so transformers picks its kernels or its torch fallback; each builds the
 random-init target straight on the GPU in bf16 (`Qwen3_5ForCausalLM`, no checkpoint) and times the
-decoder's forward alone and `dflash.target.capture.Capture` (hooks at 5 layers + top-k) over the same
+decoder's forward alone and `dflash.target_model.capture.Capture` (hooks at 5 layers + top-k) over the same
 right-padded batches (`--token-budget` tokens each).  `--part step` times `bench/train_step.py`'s
 TrainStep (the trainer's step) on one 8192-token sample per row, for each layer layout and anchor count.
 Results: $OUT/hybrid_capture.json, $OUT/hybrid_step.json.
@@ -63,7 +63,7 @@ def capture_one(args) -> dict:
     """In this process: the target, then forward-only and capture rates over the same batches."""
     import importlib.util
 
-    from dflash.target.capture import Capture, linear_attention_note
+    from dflash.target_model.capture import Capture, linear_attention_note
 
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     t = time.perf_counter()

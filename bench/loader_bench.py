@@ -49,7 +49,7 @@ def shapes(tiny: bool) -> dict:
 def build_store(tiny: bool, res: Results | None = None) -> tuple[Path, Path, int]:
     """(target dir, store dir, mask token id), built once per work dir."""
     from dflash.store import ShardWriter, create_or_check_manifest
-    from dflash.target.files import target_identity, tokenizer_hash
+    from dflash.target_model.files import target_identity, tokenizer_hash
 
     w = work_dir()
     tdir, store, info = w / "target", w / "store", w / "store_info.json"

@@ -76,7 +76,7 @@ def run_rows(res: Results, c: int, V: int, configs, args, device: str) -> None:
     traffic = 4 * c * V  # bytes: one bf16 read + one bf16 write per logit
     ref_rows = min(c, 256)
     ref = dloss.chunk_terms_eager(logits0[:ref_rows].float(), y[:ref_rows], w[:ref_rows], None, None, 0.0, 1.0)
-    terms = dloss._terms_fn(True)
+    terms = dloss._terms_fn("compiled")
 
     def compiled(x):
         for t in (x, y, w):  # as _ChunkedHeadLoss.forward does: the short last chunk does not recompile

@@ -6,7 +6,7 @@ thread; the disk's raw write speed; then two processes (one per GPU, one shard e
     python bench/precompute_bench.py [--tiny] [--tokens 150000] [--token-budget N] [--disk-gb 2] [--passes ...]
 
 The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (no 16 GB checkpoint to
-save and reload), driven by `dflash.target.capture.Capture` and `dflash.precompute.shard`'s batch planner and write path
+save and reload), driven by `dflash.target_model.capture.Capture` and `dflash.precompute.shard`'s batch planner and write path
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
 sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (as precompute
 runs), write_bf16_thread (writer thread, GC frozen), write_bf16_session3 (writer thread, automatic GC: the
@@ -143,7 +143,7 @@ def _shard_proc(rank: int, tiny: bool, tokens: int, store: str, barrier, queue, 
     """One of the two simultaneous shard processes: its own GPU, its own shard, half of the samples; with
     write=False it captures only (nothing copied out or written), to tell the writes' share of any slowdown."""
     try:
-        from dflash.target.capture import Capture
+        from dflash.target_model.capture import Capture
 
         device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
@@ -272,7 +272,7 @@ def main() -> None:
     tiny = tiny_mode(args.tiny)
     limit = part_limit_s(130)
     from dflash.config import PrecomputeConfig
-    from dflash.target.capture import Capture
+    from dflash.target_model.capture import Capture
 
     tokens = args.tokens or (3000 if tiny else 300_000)
     budget = args.token_budget or (1024 if tiny else PrecomputeConfig().token_budget)

@@ -39,7 +39,7 @@ def capture_before_class():
     """Capture with session 2's top-k path, for a before/after in one run: fp32 log_softmax over every
     chunk of logits, then top-k on it, and real positions picked by boolean indexing on the device (a
     host sync per indexing)."""
-    from dflash.target.capture import Capture
+    from dflash.target_model.capture import Capture
 
     class CaptureBefore(Capture):
         def topk_of(self, last_hidden, lengths):

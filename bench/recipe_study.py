@@ -8,7 +8,7 @@ baseline, several seeds, on one or more setups (a target, its train and held-out
 A setup may name a base (SETUP_BASES, e.g. `cli5`): train-section overrides applied to every config of that
 setup before the config's own (session 12's setup c runs the CLI's defaults for real targets: block 16,
 5 drafter layers, token budget = block budget 4096).  The stores' target layers follow each config's
-drafter layer count (the CLI's default rule, dflash.target.files.default_target_layers), unless the config
+drafter layer count (the CLI's default rule, dflash.target_model.files.default_target_layers), unless the config
 names its own target_layers.
 
 For each setup it precomputes a train and a held-out store per target-layer set the configs need (the
@@ -204,7 +204,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (work / "none.yaml").write_text("{}\n")
-    from dflash.target.files import default_target_layers
+    from dflash.target_model.files import default_target_layers
 
     setups = []
     for i, spec in enumerate(args.setup):

@@ -9,8 +9,7 @@ import numpy as np
 import torch
 
 import common  # noqa: F401  (puts the repo root on sys.path)
-from dflash import masks
-from dflash.model import DrafterConfig
+from dflash.drafter import DrafterConfig, masks
 from dflash.train import loader as L
 
 TILE = masks.TILE

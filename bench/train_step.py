@@ -24,12 +24,11 @@ import torch
 
 import common  # noqa: F401  (puts the repo root on sys.path)
 from common import PEAK_BF16_FLOPS, Results, dims, elapsed, median, part_limit_s, pctl, sync, tiny_mode
-from dflash import masks
 from dflash.config import TrainConfig
-from dflash.model import DrafterConfig
-from dflash.target.files import default_target_layers
+from dflash.drafter import DrafterConfig, masks
+from dflash.target_model.files import default_target_layers
 from dflash.train.feeder import DeviceFeeder
-from dflash.train.loss import IGNORE, block_loss
+from dflash.train.loss import IGNORE, block_loss, chunk_kernel
 from dflash.train.step import TrainStep
 from step_workload import (
     FLOP_FORMULAS,
@@ -52,7 +51,7 @@ def target_layers(d: dict, layers: int) -> list[int]:
 
 
 class Bench:
-    def __init__(self, args, tiny: bool, device: str, shape: str | None = None):
+    def __init__(self, args, tiny: bool, device: str, shape: str | None = None, flex_kernel_options: dict | None = None):
         self.args, self.tiny, self.device = args, tiny, device
         d = dims(tiny, shape)
         self.cfg = DrafterConfig(
@@ -63,7 +62,7 @@ class Bench:
             mask_token_id=d["vocab_size"] - 1, block_size=args.block_size,
             layer_types=getattr(args, "layer_types", None), sliding_window=getattr(args, "sliding_window", None))
         if getattr(args, "arch", "dflash") != "dflash":  # --arch dflash2: the released knobs (docs/DESIGN.md §11)
-            from dflash.dflash2 import with_arch
+            from dflash.drafter import with_arch
 
             self.cfg = with_arch(self.cfg, args.arch)
         cuda = torch.device(device).type == "cuda"
@@ -79,7 +78,8 @@ class Bench:
                                 compile="on" if self.compiled else "off", loss_kernel="compiled",
                                 arch=getattr(args, "arch", "dflash"), loss=getattr(args, "loss", "ce"))
         with torch.device(device):  # random init straight on the GPU
-            self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8)
+            self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8,
+                                        flex_kernel_options=flex_kernel_options)
         self.raw, self.opt = self.train_step.raw, self.train_step.optimizer
         self.embed, self.head = embed, head
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
@@ -96,8 +96,9 @@ class Bench:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
         out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
-                         denom=denom, chunk=self.args.lm_head_chunk, fused=fused,
-                         kernel=getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
+                         denom=denom, chunk=self.args.lm_head_chunk,
+                         kernel=chunk_kernel(getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
+                                             False, hidden.device, compiled=fused),
                          label_index=None if host_syncs else m["label_index"])
         out.loss.backward()
         if not optimizer_step:  # gradient accumulation (variant accum=N): the optimizer runs every N-th
@@ -367,7 +368,7 @@ def parse_variant(spec: str) -> dict:
     (flex_attention's kernel_options); autotune=1 lets Inductor autotune flex_attention's tiles (matmuls stay
     on cuBLAS); cdt=1 turns on Inductor's coordinate-descent tuning of its generated (element-wise,
     reduction) kernels; accum=N runs the optimizer every N micro-batches (gradient accumulation); loss=triton runs the per-chunk softmax /
-    gradient with dflash.train.loss_kernel's Triton kernel (block_loss(kernel="triton")), loss=compiled is the default."""
+    gradient with dflash.train.loss_kernel's Triton kernel (--loss-kernel triton), loss=compiled is the default."""
     out = {"R": 4, "chunk": None, "shape": None, "autotune": False, "flex": {}, "profile": False, "accum": 1,
            "cdt": False, "loss": "compiled"}
     for part in spec.split(","):
@@ -404,8 +405,6 @@ def run_variants(res: Results, bench: Bench, args, tiny: bool, device: str, S: i
     like a rows config; a new shape, flex tile choice or autotuning gets a freshly built, compiled drafter."""
     import gc
 
-    from dflash import model as dmodel
-
     current = (None, False, {}, False)
     for spec in [v.strip() for v in (args.variants or "").split(";") if v.strip()]:
         v = parse_variant(spec)
@@ -431,10 +430,8 @@ def run_variants(res: Results, bench: Bench, args, tiny: bool, device: str, S: i
 
                 dloss._COMPILED.clear()  # the loss recompiles under the new Inductor settings
                 icfg.max_autotune_gemm_backends = "ATEN" if v["autotune"] else icfg.max_autotune_gemm_backends
-                dmodel.FLEX_KERNEL_OPTIONS.clear()
-                dmodel.FLEX_KERNEL_OPTIONS.update(v["flex"])
                 t = time.perf_counter()
-                bench = Bench(args, tiny, device, v["shape"])
+                bench = Bench(args, tiny, device, v["shape"], flex_kernel_options=v["flex"] or None)
                 res.set(f"{key}_build_s", round(time.perf_counter() - t, 1))
                 current = want
             chunk0, args.lm_head_chunk = args.lm_head_chunk, v["chunk"] or args.lm_head_chunk

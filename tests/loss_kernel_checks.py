@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from dflash.train import loss_kernel
-from dflash.train.loss import IGNORE, block_loss, chunk_terms_eager, reference_block_loss
+from dflash.train.loss import IGNORE, block_loss, chunk_kernel, chunk_terms_eager, reference_block_loss
 
 
 def _chunk(c, V, dtype, seed):
@@ -77,7 +77,7 @@ def batch(R=2, B=4, nb=4, H=16, V=700, K=3, seed=0):
 
 
 def _block_loss(kd_weight):
-    """kernel="triton" through block_loss: the kernel for KD off (several chunks, several tiles a row),
+    """--loss-kernel triton through chunk_kernel and block_loss: the kernel for KD off (several chunks, several tiles a row),
     the usual path for KD on; loss and gradient as the full-logits reference gives them."""
     calls, real, block0 = [], loss_kernel.fused_ce_terms, loss_kernel.BLOCK
     loss_kernel.fused_ce_terms = lambda *a, **k: calls.append(1) or real(*a, **k)
@@ -87,7 +87,8 @@ def _block_loss(kd_weight):
         denom = weights.sum() * 0.7
         h1 = hidden.clone().requires_grad_(True)
         out = block_loss(h1, head, labels, weights, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
-                         kd_weight=kd_weight, kd_temperature=2.0, chunk=7, kernel="triton")
+                         kd_weight=kd_weight, kd_temperature=2.0, chunk=7,
+                         kernel=chunk_kernel("triton", kd_weight > 0, hidden.device, compiled=False))
         (out.loss * 3.0).backward()
     finally:
         loss_kernel.fused_ce_terms, loss_kernel.BLOCK = real, block0

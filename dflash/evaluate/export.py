@@ -42,7 +42,7 @@ def _strip(key: str) -> str:
 
 def drafter_state(state: dict[str, torch.Tensor], cfg, where) -> dict[str, torch.Tensor]:
     """Exactly the exported key set (model.state_dict_keys), or a DFlashError naming what is off."""
-    from dflash.dflash2 import export_keys
+    from dflash.drafter import export_keys
 
     state = {_strip(k): v for k, v in state.items()}
     want = export_keys(cfg)  # DFlash2: also the convolutions and the candidate selector
@@ -59,7 +59,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     """(DFlashDrafter in fp32 eval mode, checkpoint dir, train_config dict) from a run or checkpoint dir."""
     from safetensors.torch import load_file
 
-    from dflash.dflash2 import build_drafter, config_from_hf_dict
+    from dflash.drafter import build_drafter, config_from_hf_dict
     from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)
@@ -90,7 +90,7 @@ def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Reload an export as a consumer would: config.json -> DrafterConfig, strict weight load."""
     from safetensors.torch import load_file
 
-    from dflash.dflash2 import build_drafter, config_from_hf_dict
+    from dflash.drafter import build_drafter, config_from_hf_dict
     from dflash.train.checkpoint import check_safetensors
 
     out_dir = Path(out_dir)
@@ -151,7 +151,7 @@ def engine_config(cfg) -> dict:
     vLLM takes the target's capture points from `eagle_aux_hidden_state_layer_ids` before
     `dflash_config.target_layer_ids` (vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py): the stream
     entering layer i + 1 for DFlash id i.  A drafter whose ids the engines could not serve is refused."""
-    from dflash.model import engine_layer_problem
+    from dflash.target_model.files import engine_layer_problem
 
     problem = engine_layer_problem(cfg.target_layer_ids, cfg.num_target_layers)
     if problem:
@@ -197,7 +197,7 @@ def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: 
 
 def _random_batch(cfg, lm_head: torch.Tensor, seed: int = 0):
     """One packed row: random context features and two blocks of random tokens on random anchors."""
-    from dflash import masks
+    from dflash.drafter import masks
 
     g = torch.Generator().manual_seed(seed)
     B, S = cfg.block_size, 128
@@ -231,7 +231,7 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     diff = float((a - b).abs().max())
     scale = float(b.abs().max())
     fields = _without_local_paths(exported.config.to_hf_dict()) == _without_local_paths(ref.config.to_hf_dict())
-    if hasattr(ref, "candidate_selector"):  # DFlash2: the served proposals of the same blocks must agree too
+    if ref.selects_candidates:  # DFlash2: the served proposals of the same blocks must agree too
         h, anchor = ref(*batch)[:, 1 : cfg.block_size], torch.zeros(1, dtype=torch.long)
         fields = fields and bool((exported.propose(h, lm_head, anchor) == ref.propose(h, lm_head, anchor)).all())
     ok = diff <= 1e-4 * max(1.0, scale) and fields
@@ -240,7 +240,7 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
 
 
 def _lm_head_of(train_config: dict):
-    from dflash.target.files import load_embed_and_head
+    from dflash.target_model.files import load_embed_and_head
 
     target = (train_config.get("train") or train_config).get("target")
     if target and Path(target).is_dir():

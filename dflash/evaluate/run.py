@@ -181,7 +181,7 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
 def run_eval(cfg: EvalConfig) -> dict:
     """`dflash eval`: offline tau (--store) and/or online speculative decoding (--prompts)."""
     from dflash.evaluate.export import load_training_drafter
-    from dflash.target.files import load_embed_and_head, target_identity
+    from dflash.target_model.files import load_embed_and_head, target_identity
 
     if not cfg.run:
         raise ConfigError("give --run RUN (a training run directory or one of its checkpoints).")
@@ -201,7 +201,7 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     if cfg.store:
         from dflash.store import compare_manifest, open_store
-        from dflash.target.files import tokenizer_hash
+        from dflash.target_model.files import tokenizer_hash
 
         store = open_store(cfg.store, require_complete=True)
         compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
@@ -211,7 +211,7 @@ def run_eval(cfg: EvalConfig) -> dict:
                                         seed=cfg.seed, max_samples=cfg.max_samples)
         result["offline"]["store"] = str(cfg.store)
     if cfg.prompts:
-        from dflash.target.capture import load_target, load_tokenizer
+        from dflash.target_model.capture import load_target, load_tokenizer
 
         dtype = dtypes[cfg.dtype]
         tokenizer = load_tokenizer(target_dir)

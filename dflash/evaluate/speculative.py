@@ -44,12 +44,12 @@ def _sync(device: torch.device) -> None:
 class LayerCapture:
     """Forward hooks keeping the *output* of the chosen decoder layers from the latest target call.
 
-    Same convention as precompute (dflash.target.capture.Capture): the output of layer i is `hidden_states[i+1]`
+    Same convention as precompute (dflash.target_model.capture.Capture): the output of layer i is `hidden_states[i+1]`
     in transformers terms, and for the last layer that is the state after the final norm.
     """
 
     def __init__(self, target, layer_ids: list[int]):
-        from dflash.target.capture import check_layers, decoder_layers
+        from dflash.target_model.capture import check_layers, decoder_layers
 
         layers = decoder_layers(target)
         self.layer_ids = check_layers(list(layer_ids), len(layers), getattr(target, "name_or_path", "?"))
@@ -176,10 +176,8 @@ def speculative_generate(
             )
             draft_cache.crop(start)
             drafted = start
-            if hasattr(drafter, "propose"):  # DFlash2: the candidate selector's greedy walk, as served
-                proposals = drafter.propose(hidden[:, 1:].to(head.weight.dtype), head.weight, anchor.view(1))[0]
-            else:
-                proposals = head(hidden[0, 1:].to(head.weight.dtype)).argmax(-1)
+            # lm_head's argmax, or DFlash2's candidate selector's greedy walk, as served
+            proposals = drafter.propose(hidden[:, 1:].to(head.weight.dtype), head.weight, anchor.view(1))[0]
             if propose is not None:
                 proposals = propose(start, proposals).to(device=device, dtype=torch.long)
             block[0, 1:] = proposals

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import ConfigError
-from dflash.target.capture import load_target, load_tokenizer, resolve_dtype
+from dflash.target_model.capture import load_target, load_tokenizer, resolve_dtype
 
 THINK_TAGS = ("<think>", "</think>")
 

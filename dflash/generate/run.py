@@ -54,7 +54,7 @@ def _check_config(cfg: GenerateConfig) -> None:
 
 
 def _target_inputs(target: str) -> dict:
-    from dflash.target.files import target_identity, tokenizer_hash
+    from dflash.target_model.files import target_identity, tokenizer_hash
 
     ident = target_identity(target, weights=False)
     weights = sorted((f.name, f.stat().st_size) for f in Path(target).glob("*.safetensors"))
@@ -110,7 +110,7 @@ def _preflight(cfg: GenerateConfig) -> None:
         return
     if cfg.target:
         from dflash.generate.local import check_thinking
-        from dflash.target.capture import load_tokenizer
+        from dflash.target_model.capture import load_tokenizer
 
         check_thinking(load_tokenizer(cfg.target, cfg.trust_remote_code), cfg.thinking, f"target {cfg.target}")
     if cfg.endpoint:

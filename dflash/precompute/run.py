@@ -36,8 +36,8 @@ from dflash.spawned import die_with_parent, raise_failure, supervise
 from dflash.store import create_or_check_manifest, read_manifest
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
-from dflash.target.capture import check_config_matches_weights, check_layers, load_tokenizer
-from dflash.target.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
+from dflash.target_model.capture import check_config_matches_weights, check_layers, load_tokenizer
+from dflash.target_model.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
 
 # ---------------------------------------------------------------------------------------------- checks
 

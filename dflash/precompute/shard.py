@@ -34,7 +34,7 @@ from dflash.store.manifest import shard_status
 from dflash.store.parts import Part, part_rows
 from dflash.store.pipeline import WritePipeline
 from dflash.store.writer_process import ProcessWritePipeline
-from dflash.target.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
+from dflash.target_model.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
 
 WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
 

@@ -11,8 +11,8 @@ manifest's own dataset) and counts `num_shards` over all parts; manifest.json it
 Manifest keys (the ones with meaning; anything else is kept as free-form run information):
 
     format_version      int, FORMAT_VERSION
-    target              dflash.target.files.target_identity(...) dict
-    tokenizer_hash      dflash.target.files.tokenizer_hash(...)
+    target              dflash.target_model.files.target_identity(...) dict
+    tokenizer_hash      dflash.target_model.files.tokenizer_hash(...)
     dataset_fingerprint str identifying part 0's input rows (sha256 of the files, or datasets fingerprint)
     target_layer_ids    list[int]
     hidden_dtype        "bf16" | "fp8"

@@ -41,7 +41,7 @@ RULE = "drafter layer i <- target layer L - n + i (the target's last n layers)"
 
 
 def _drafter_shapes(drafter_config) -> dict[str, tuple[int, ...]]:
-    from dflash.dflash2 import build_drafter
+    from dflash.drafter import build_drafter
 
     with torch.device("meta"):
         model = build_drafter(drafter_config)
@@ -73,7 +73,7 @@ def plan(target_dir: str, drafter_config, target_config) -> dict:
     naming the target file, the tensor and both shapes when a layer cannot be copied."""
     from safetensors import safe_open
 
-    from dflash.target.files import _safetensors_index, _target_dir
+    from dflash.target_model.files import _safetensors_index, _target_dir
 
     target = _target_dir(target_dir)
     text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config

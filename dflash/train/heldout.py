@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dflash import masks
+from dflash.drafter import attention
 from dflash.errors import StoreError
 from dflash.train import loader as L
 from dflash.train.loss import IGNORE, block_acceptance
@@ -107,8 +107,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
             b = ds.build(0, rows)
             n_samples += int(b["num_samples"])
             meta = {k: v.to(device) for k, v in b["mask"].items()}
-            # CPU: SDPA over the tiles each query tile sees (eager flex_attention there is a slow reference).
-            mask = masks.to_block_mask(meta) if device.type == "cuda" else masks.to_tiled_mask(meta)
+            mask = attention.mask_for(meta, device)
             with autocast:
                 hidden = drafter(
                     b["ctx_hidden"].to(device),
@@ -118,7 +117,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                     mask,
                 )
             labels = b["labels"].to(device)
-            if hasattr(drafter, "candidate_selector"):  # DFlash2: the selector's proposals, as served (§11)
+            if drafter.selects_candidates:  # DFlash2: the selector's proposals, as served (§11)
                 from dflash.train.objectives import selector_predictions
 
                 preds = selector_predictions(drafter, hidden, lm_head, labels, b["block_input_ids"].to(device), B)

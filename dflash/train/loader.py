@@ -4,7 +4,7 @@ An epoch's *plan* (`dflash.train.plan`: packing and order) is a list of micro-ba
 packed rows of a few samples of similar length; processes split it round-robin, step by step.
 
 The heavy part of a micro-batch (reading hidden states, drawing anchors, building labels, the
-closed-form block-sparse mask metadata of `dflash.masks`) runs in DataLoader worker processes; the
+closed-form block-sparse mask metadata of `dflash.drafter.masks`) runs in DataLoader worker processes; the
 training process only turns the metadata into a BlockMask (masks.to_block_mask).
 """
 
@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import torch
 
-from dflash import masks
+from dflash.drafter import masks
 from dflash.errors import DamagedSampleError, DataError
 from dflash.train.loss import IGNORE, position_weights
 from dflash.train.plan import (  # (re-exported below)

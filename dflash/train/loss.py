@@ -99,14 +99,22 @@ def chunk_terms_eager(logits, labels, weights, topk_ids, topk_p, kd_weight: floa
     return ce_sum, kd_sum, preds, g.to(logits.dtype)
 
 
+# How a chunk's softmax, argmax and gradient are computed: the same values three ways.
+#   eager     chunk_terms_eager: in-place passes over one fp32 buffer (--compile off, CPU)
+#   compiled  chunk_terms through torch.compile: a couple of fused passes (a compiled drafter)
+#   triton    dflash.train.loss_kernel's kernel, the gradient written over the logits (CUDA, KD off)
+# `chunk_kernel` picks one for a run; block_loss computes with the one it is given.
+KERNELS = ("eager", "compiled", "triton")
 _COMPILED = {}
 
 
-def _terms_fn(fused: bool):
-    """chunk_terms, compiled once per process when `fused` (always from the training thread: the loss
-    runs in the step, never in a worker or side thread).  The chunk's row count is marked dynamic by the
-    caller, so the short last chunk of every step does not recompile."""
-    if not fused:
+def _terms_fn(kernel: str):
+    """The per-chunk function of `kernel`.  chunk_terms is compiled once per process (always from the
+    training thread: the loss runs in the step, never in a worker or side thread); the chunk's row count
+    is marked dynamic by the caller, so the short last chunk of every step does not recompile."""
+    if kernel == "triton":
+        return _triton_terms
+    if kernel == "eager":
         return chunk_terms_eager
     if "fn" not in _COMPILED:
         _COMPILED["fn"] = torch.compile(chunk_terms, dynamic=False)
@@ -121,22 +129,32 @@ def _triton_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, t
     return ce_sum, ce_sum.new_zeros(()), preds, g
 
 
-def _use_triton(kernel: str, use_kd: bool, device: torch.device) -> bool:
-    """kernel="triton" runs the Triton kernel where it can: KD off, triton importable, and a CUDA device
-    (or TRITON_INTERPRET=1, which runs it on the CPU for the tests); anywhere else, the usual path."""
-    if kernel not in ("compiled", "triton"):
-        raise ValueError(f"kernel must be 'compiled' or 'triton', got {kernel!r}")
-    if kernel != "triton" or use_kd:
+def triton_runs(use_kd: bool, device: torch.device) -> bool:
+    """Whether the Triton kernel can compute a chunk's terms: KD off, triton importable, and a CUDA device
+    (or TRITON_INTERPRET=1, which runs it on the CPU for the tests)."""
+    if use_kd:
         return False
     from dflash.train import loss_kernel
 
     return loss_kernel.available() and (device.type == "cuda" or loss_kernel.interpret_mode())
 
 
+def chunk_kernel(asked: str, use_kd: bool, device: torch.device, compiled: bool) -> str:
+    """The kernel (KERNELS) a run's --loss-kernel `asked` ("triton" or "compiled") gets: the Triton one
+    where it runs, else torch's, compiled when the drafter is."""
+    if asked not in ("compiled", "triton"):
+        raise ValueError(f"--loss-kernel must be 'compiled' or 'triton', got {asked!r}")
+    if asked == "triton" and triton_runs(use_kd, device):
+        return "triton"
+    return "compiled" if compiled else "eager"
+
+
 def loss_kernel_note(kernel: str, use_kd: bool, device: torch.device) -> str:
     """Which per-chunk kernel a run gets, and why not the Triton one when it asked for it (for the banner:
     the fallback is otherwise silent)."""
-    if _use_triton(kernel, use_kd, device):
+    if kernel not in ("compiled", "triton"):
+        raise ValueError(f"kernel must be 'compiled' or 'triton', got {kernel!r}")
+    if kernel == "triton" and triton_runs(use_kd, device):
         return "triton"
     if kernel != "triton":
         return "torch"
@@ -150,16 +168,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     """sum_i w_i * (ce_i + kd_weight * kd_i) over rows of `hidden`, lm_head applied chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, fused,
-                kernel="compiled"):
+    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, kernel):
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         ce_sum = hidden.new_zeros((), dtype=torch.float32)
         kd_sum = hidden.new_zeros((), dtype=torch.float32)
         preds = torch.empty(n, dtype=torch.long, device=hidden.device)
         use_kd = kd_weight > 0 and topk_ids is not None
-        triton_on = _use_triton(kernel, use_kd, hidden.device)
-        terms = _triton_terms if triton_on else _terms_fn(fused)
+        terms = _terms_fn(kernel)
         for i in range(0, n, chunk):
             h = hidden[i : i + chunk].to(head.dtype)
             logits = h @ head.t()  # [c, V]; the only full-vocabulary tensor alive
@@ -168,7 +184,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if use_kd:
                 ids = topk_ids[i : i + chunk]
                 p = torch.softmax(topk_logprobs[i : i + chunk].float() / float(temperature), dim=-1)
-            if fused and not triton_on:
+            if kernel == "compiled":
                 for t in (logits, y, w) + ((ids, p) if use_kd else ()):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             c_sum, k_sum, preds[i : i + chunk], g = terms(logits, y, w, ids, p, float(kd_weight), float(temperature))
@@ -183,7 +199,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, _g_ce, _g_kd, _g_preds):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 10
+        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 9
 
 
 def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
@@ -233,8 +249,7 @@ def block_loss(
     kd_temperature: float = 1.0,
     chunk: int = 2048,
     label_index: torch.Tensor | None = None,
-    fused: bool = False,
-    kernel: str = "compiled",
+    kernel: str = "eager",
 ) -> LossOutput:
     """Loss and metrics of one micro-batch.
 
@@ -242,10 +257,8 @@ def block_loss(
     there is nothing to predict), loss_weight [R, Q] (the decay weight, 0 where ignored), topk_* [R, Q, K]
     aligned with the labels.  `denom` normalises the loss (see the module docstring).  `label_index`
     (the flat positions whose label is not IGNORE, made on the CPU by the loader) saves the step a
-    device-to-host sync; `fused` compiles the per-chunk softmax / gradient (see chunk_terms).
-    kernel="triton" replaces that per-chunk work, KD off and on CUDA, by one hand-written Triton kernel
-    (dflash.train.loss_kernel; the gradient overwrites the chunk's logits); "compiled" (the default), or
-    KD on, or no CUDA/triton, keeps the path `fused` selects.
+    device-to-host sync.  `kernel` (KERNELS) computes each chunk's softmax / gradient; "triton" needs
+    what `triton_runs` says (chunk_kernel picks a run's).
     """
     R, Q, H = hidden.shape
     flat_labels = labels.reshape(-1)
@@ -258,10 +271,15 @@ def block_loss(
         raise ValueError("kd_weight > 0 needs topk_ids and topk_logprobs")
     tid = topk_ids.reshape(-1, topk_ids.shape[-1]).index_select(0, sel) if kd_on else None
     tlp = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).index_select(0, sel) if kd_on else None
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "triton" and not triton_runs(kd_on, hidden.device):
+        raise ValueError("the Triton loss kernel needs KD off and a CUDA device (or TRITON_INTERPRET=1); "
+                         "chunk_kernel picks the kernel that runs")
     # The head runs in its own dtype (bf16 on GPU) with fp32 softmax; autocast would only get in the way.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         total, ce_sum, kd_sum, preds = _ChunkedHeadLoss.apply(
-            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), bool(fused), kernel
+            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), kernel
         )
     full_preds = torch.full((R * Q,), -1, dtype=torch.long, device=hidden.device)
     full_preds[sel] = preds
@@ -296,5 +314,5 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
     return total / denom
 
 
-__all__ = ["IGNORE", "chunk_terms", "chunk_terms_eager", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
+__all__ = ["IGNORE", "KERNELS", "chunk_kernel", "chunk_terms", "triton_runs", "chunk_terms_eager", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
            "loss_kernel_note", "reference_block_loss"]

@@ -7,7 +7,7 @@
   p_i smoothed by alpha.  They are rescaled so that a micro-batch's D-PACE weights sum to its decay
   weights (the step's loss denominator stays the loader's, and the step stays free of host syncs).
 - The DFlash2 selector's K-way cross-entropy: over the top-K lm_head candidates of each labelled
-  position, the scores of dflash.dflash2.CandidateSelector with the teacher-forced predecessor (the
+  position, the scores of dflash.drafter.dflash2.CandidateSelector with the teacher-forced predecessor (the
   anchor for block position 1, else the true token one position earlier), target the label's index among
   the candidates; positions whose label is not among them (or whose predecessor is unlabelled) weigh 0.
   The backbone's hidden states and logits enter detached: the term trains the selector only.
@@ -31,18 +31,17 @@ LOSSES = ("ce", "dpace")
 def drafter_config_for(dcfg, cfg):
     """The drafter config a TrainConfig asks for (--arch and its knobs) from the DFlash one preflight
     derived from the target; a ConfigError for a choice that cannot train."""
-    from dflash.dflash2 import ARCHS, with_arch
+    from dflash.drafter import ARCHS, VARIANTS, config_for
     from dflash.errors import ConfigError
 
     if cfg.arch not in ARCHS or cfg.loss not in LOSSES:
         raise ConfigError(f"--arch {cfg.arch} / --loss {cfg.loss}: choose --arch from {', '.join(ARCHS)} and "
                           f"--loss from {', '.join(LOSSES)}.")
-    if cfg.arch == "dflash2" and cfg.parallel == "fsdp":
-        raise ConfigError("--arch dflash2 trains its candidate selector outside the drafter's forward, which FSDP2 "
-                          "does not shard; use --parallel ddp (the selector is small beside the layers).")
+    if VARIANTS[cfg.arch].selects_candidates and cfg.parallel == "fsdp":
+        raise ConfigError(f"--arch {cfg.arch} trains its candidate selector outside the drafter's forward, which "
+                          "FSDP2 does not shard; use --parallel ddp (the selector is small beside the layers).")
     try:
-        return with_arch(dcfg, cfg.arch, conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
-                         selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k)
+        return config_for(dcfg, cfg.arch, cfg)
     except ValueError as e:
         raise ConfigError(f"--arch {cfg.arch} cannot be built on this target: {e}; change the DFlash2 option "
                           "(--conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k).") from None

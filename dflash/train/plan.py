@@ -18,8 +18,8 @@ import dataclasses
 
 import numpy as np
 
+from dflash.drafter.masks import TILE
 from dflash.errors import DataError
-from dflash.masks import TILE
 
 
 @dataclasses.dataclass(frozen=True)

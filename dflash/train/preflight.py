@@ -31,7 +31,7 @@ class Setup:
     cfg: TrainConfig
     store: object  # dflash.store.Store
     identity: dict
-    drafter_config: object  # dflash.model.DrafterConfig
+    drafter_config: object  # dflash.drafter.DrafterConfig
     spec: LoaderSpec
     mask_token_id: int
     mask_token_source: str
@@ -42,7 +42,7 @@ class Setup:
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
-        from dflash.target.files import load_embed_and_head
+        from dflash.target_model.files import load_embed_and_head
 
         embed, head = load_embed_and_head(self.cfg.target)
         dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
@@ -301,9 +301,9 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
 
 
 def preflight(cfg: TrainConfig) -> Setup:
-    from dflash.model import DrafterConfig, engine_layer_problem
+    from dflash.drafter import DrafterConfig
     from dflash.store import compare_manifest, open_store
-    from dflash.target.files import target_config, target_identity, tokenizer_hash
+    from dflash.target_model.files import engine_layer_problem, target_config, target_identity, tokenizer_hash
 
     _check_options(cfg)
     check_run_dir(cfg)

@@ -15,10 +15,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from dflash import masks
 from dflash.config import TrainConfig
+from dflash.drafter import attention
 from dflash.train import parallel
-from dflash.train.loss import block_loss
+from dflash.train.loss import block_loss, chunk_kernel
 
 HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
 
@@ -92,12 +92,13 @@ def compile_count() -> int:
     return int(counters["frames"]["total"])
 
 
-def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: int, n_shapes: int):
+def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: int, n_shapes: int,
+                flex_kernel_options: dict | None = None):
     """(module to call, the raw drafter, the DDP wrapper or None) with DDP / FSDP2 and compile applied."""
-    from dflash.dflash2 import build_drafter
+    from dflash.drafter import build_drafter
 
     torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
-    raw = build_drafter(drafter_config).to(device)  # DFlashDrafter or DFlash2Drafter, by its config
+    raw = build_drafter(drafter_config, flex_kernel_options).to(device)  # DFlashDrafter or DFlash2Drafter
     ddp = parallel.wrap(raw, cfg.parallel, device, world)
     if compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair
@@ -140,12 +141,13 @@ class TrainStep:
     """The drafter, its optimizer and the frozen target embedding / lm_head, and one optimizer step."""
 
     def __init__(self, drafter_config, cfg: TrainConfig, device: torch.device, world: int, embed, head,
-                 n_shapes: int = 1):
+                 n_shapes: int = 1, flex_kernel_options: dict | None = None):
         self.cfg, self.device, self.world = cfg, device, world
-        self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes)
+        self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes, flex_kernel_options)
         self.optimizer = make_optimizer(self.raw, cfg, device)
         self.embed, self.head = embed, head
-        self.fused = compiled(cfg, device)
+        self.compiled = compiled(cfg, device)
+        self.loss_kernel = chunk_kernel(cfg.loss_kernel, cfg.kd_weight > 0, device, self.compiled)
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
@@ -206,13 +208,7 @@ class TrainStep:
         average over: the gradient of the global weighted mean."""
         clock = self.host
         t0 = time.perf_counter()
-        if m["ctx_hidden"].is_cuda:
-            block_mask = masks.to_block_mask(m["mask"])  # BlockMask.from_kv_blocks: metadata from the workers
-        else:
-            # flex_attention has no CPU backward. Eager, the CPU path attends over only the tiles each query
-            # tile sees (masks.tiled_sdpa), whose count varies by batch; a compiled drafter (CPU tests) takes
-            # the dense mask, whose shape does not, so that it never recompiles.
-            block_mask = masks.to_dense_mask(m["mask"]) if self.fused else masks.to_tiled_mask(m["mask"])
+        block_mask = attention.mask_for(m["mask"], m["ctx_hidden"].device, compiled=self.compiled)
         with self.autocast:
             block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
             hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
@@ -231,7 +227,7 @@ class TrainStep:
         from dflash.train import objectives as obj
 
         cfg, labels, weight = self.cfg, m["labels"], m["loss_weight"]
-        dflash2 = hasattr(self.raw, "candidate_selector")
+        dflash2 = self.raw.selects_candidates
         pre = sel = None
         if cfg.loss == "dpace" or dflash2:
             sel = obj.labelled(labels, m.get("label_index"))
@@ -242,7 +238,7 @@ class TrainStep:
         out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
                          topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
                          kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
-                         label_index=m.get("label_index"), fused=self.fused, kernel=cfg.loss_kernel)
+                         label_index=m.get("label_index"), kernel=self.loss_kernel)
         if dflash2:
             out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m["block_input_ids"], weight, sel,
                                         block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)

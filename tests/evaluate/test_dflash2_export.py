@@ -49,10 +49,9 @@ def engine_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from dflash.dflash2 import build_drafter, with_arch
+    from dflash.drafter import DrafterConfig, build_drafter, with_arch
     from dflash.evaluate.run import load_prompts
-    from dflash.model import DrafterConfig
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("dflash2")

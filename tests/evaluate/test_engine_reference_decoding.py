@@ -96,9 +96,9 @@ def engine_loop(target, cfg, sd, prompt: list[int], n_new: int, steer) -> tuple[
 def test_online_tau_equals_an_engine_semantics_loop(tmp_path, layer_types):
     from transformers import AutoModelForCausalLM
 
+    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.speculative import greedy_generate, speculative_generate
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
     from helpers import make_tiny_target
 
     torch.set_num_threads(1)

@@ -27,7 +27,7 @@ B = 8
 def setup(tmp_path_factory):
     """(target dir, target model, tokenizer, prompts): a random-init tiny Qwen3 on CPU in fp32."""
     from dflash.evaluate.run import load_prompts
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("eval")
@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
 
 
 def make_drafter(target, tok, num_layers=1, seed=0):
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.from_target(target.config, num_layers=num_layers, block_size=B,
                                     target_layer_ids=[1, 3], mask_token_id=len(tok))
@@ -157,10 +157,10 @@ def test_block_acceptance_counts_leading_correct_predictions():
 
 
 def test_offline_tau_on_a_store(tiny_store):
+    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.run import offline_tau
-    from dflash.model import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target.files import load_embed_and_head, target_config
+    from dflash.target_model.files import load_embed_and_head, target_config
 
     target_dir, _, store_dir = tiny_store
     store = open_store(store_dir)
@@ -188,9 +188,9 @@ def test_offline_tau_on_a_store(tiny_store):
 
 def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp_path):
     """End to end through the CLI: a checkpoint on disk, offline + online, files for dvc."""
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.store import open_store
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
 
     target_dir, chats, store_dir = tiny_store
     store = open_store(store_dir)
@@ -230,7 +230,7 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
 def test_drafting_in_the_loop_matches_the_training_forward(setup):
     """Every drafting step of the decoding loop (cached context, fed incrementally) gives the drafter
     output the training forward gives for that anchor over the whole sequence's target features."""
-    from dflash import masks
+    from dflash.drafter import masks
     from dflash.evaluate.speculative import LayerCapture, speculative_generate
 
     _, target, tok, prompts, _ = setup

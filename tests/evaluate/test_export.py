@@ -21,8 +21,8 @@ LAYERS = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, checkpoint dir, drafter, target dir): a 2-layer drafter saved by dflash.checkpoint."""
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import target_config
     from dflash.train.checkpoint import save_checkpoint
 
     torch.set_num_threads(1)

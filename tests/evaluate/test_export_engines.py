@@ -36,8 +36,8 @@ def _env() -> dict:
 
 
 def _drafter(target_dir, ids, layer_types=None, window=None, num_layers=2, B=8):
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import target_config
 
     tc = target_config(target_dir)
     cfg = DrafterConfig.from_target(tc, num_layers=num_layers, block_size=B, target_layer_ids=ids,
@@ -80,7 +80,7 @@ def target(tmp_path_factory):
 
 
 def test_sliding_export_config_eagle_ids_modes_and_no_paths(target, tmp_path):
-    from dflash.model import DrafterConfig
+    from dflash.drafter import DrafterConfig
 
     drafter = _drafter(target, [0, 2], ["sliding", "full"], 24)
     ckpt = _checkpoint(tmp_path, target, drafter)

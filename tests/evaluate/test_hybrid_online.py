@@ -23,7 +23,7 @@ N = 40  # new tokens: prompt (~20) + N runs well past gpt-oss's sliding window o
 @pytest.fixture(scope="module", params=FAMILIES)
 def setup(request, tmp_path_factory):
     from dflash.evaluate.run import load_prompts
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
     from helpers import make_conversations_jsonl
 
     torch.set_num_threads(1)
@@ -36,7 +36,7 @@ def setup(request, tmp_path_factory):
 
 
 def make_drafter(target, tok, seed=0):
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.from_target(target.config, num_layers=1, block_size=B, target_layer_ids=[1, 3],
                                     mask_token_id=len(tok))

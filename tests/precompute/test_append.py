@@ -18,7 +18,7 @@ from dflash.chat import conversation_of, load_rows, render
 from dflash.cli import main
 from dflash.store import open_store, verify_store
 from dflash.store.parts import part_path, part_rows
-from dflash.target.capture import load_tokenizer
+from dflash.target_model.capture import load_tokenizer
 from helpers import build_store, make_conversations, make_tiny_target
 from processes import Same, committed, run_cli, slow_writes, store_arrays
 

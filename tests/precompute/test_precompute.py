@@ -20,7 +20,7 @@ from dflash.errors import StoreError
 from dflash.precompute.run import run_precompute
 from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
-from dflash.target.capture import load_target, load_tokenizer
+from dflash.target_model.capture import load_target, load_tokenizer
 from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
 from processes import Same, committed, run_cli, slow_writes, store_arrays
 
@@ -314,7 +314,7 @@ def test_a_store_of_other_weights_is_refused(tmp_path, targets, monkeypatch):
 
     import transformers
 
-    from dflash.target.files import target_identity, weights_fingerprint
+    from dflash.target_model.files import target_identity, weights_fingerprint
 
     monkeypatch.chdir(tmp_path)
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 6)

@@ -32,7 +32,7 @@ def test_flags_win_over_params_yaml_which_wins_over_defaults(tmp_path):
 def test_the_default_store_feeds_the_default_drafter():
     """Precompute's default target layers are chosen for train's default depth (docs/RECIPE.md: 3 layers
     reading 3 target layers), and the default store never holds the target's last layer."""
-    from dflash.target.files import default_target_layers
+    from dflash.target_model.files import default_target_layers
 
     depth = TrainConfig().num_layers
     assert PrecomputeConfig().num_draft_layers == depth == 3

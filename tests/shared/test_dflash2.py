@@ -21,9 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import masks
-from dflash.dflash2 import DFlash2Drafter, build_drafter, with_arch
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlash2Drafter, DFlashDrafter, DrafterConfig, build_drafter, masks, with_arch
 
 B, S = 8, 40
 
@@ -201,7 +199,7 @@ def test_proposals_are_the_engines_greedy_walk_over_the_lattice(multiplier, cap)
 
 
 def test_config_round_trip_and_refusals():
-    from dflash.dflash2 import DFlash2Config, config_from_hf_dict
+    from dflash.drafter import DFlash2Config, config_from_hf_dict
 
     cfg = random_dflash2(output_multiplier=0.5, final_logit_softcapping=30.0, input_embedding_scale=2.0).config
     d = cfg.to_hf_dict()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import masks
+from dflash.drafter import attention, masks
 
 torch.set_num_threads(1)
 
@@ -198,7 +198,7 @@ def test_tiled_sdpa_equals_dense_sdpa_with_gradients(sliding):
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(2, h, n, 16, generator=g, requires_grad=True) for h, n in ((4, Q), (2, S + Q), (2, S + Q))]
     ref = _sdpa_reference(*leaves, mask)
-    got = masks.tiled_sdpa(*leaves, mask, 0.25)
+    got = attention.tiled_sdpa(*leaves, mask, 0.25)
     assert got is not None, "a sparse packed row takes the tiled path"
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     w = torch.randn(ref.shape, generator=g)
@@ -208,8 +208,8 @@ def test_tiled_sdpa_equals_dense_sdpa_with_gradients(sliding):
 
 def test_tiled_sdpa_declines_what_it_cannot_speed_up():
     q, k = torch.zeros(1, 2, 128, 8), torch.zeros(1, 2, 256, 8)
-    assert masks.tiled_sdpa(q, k, k, torch.ones(1, 1, 128, 256, dtype=torch.bool), 1.0) is None  # dense
-    assert masks.tiled_sdpa(q[:, :, :100], k, k, torch.zeros(1, 1, 100, 256, dtype=torch.bool), 1.0) is None
+    assert attention.tiled_sdpa(q, k, k, torch.ones(1, 1, 128, 256, dtype=torch.bool), 1.0) is None  # dense
+    assert attention.tiled_sdpa(q[:, :, :100], k, k, torch.zeros(1, 1, 100, 256, dtype=torch.bool), 1.0) is None
 
 
 @pytest.mark.parametrize("sliding", [False, True])
@@ -220,7 +220,7 @@ def test_tiled_mask_from_metadata_is_the_dense_rule(sliding):
     S, Q = max(r["S"] for r in rows) + 256, max(r["Q"] for r in rows)
     meta = masks.stack_metadata([masks.mask_metadata(**{**r, "S": S, "Q": Q}, sliding_window=48 if sliding else None)
                                  for r in rows])
-    tiled, dense = masks.to_tiled_mask(meta), masks.to_dense_mask(meta)
+    tiled, dense = attention.to_tiled_mask(meta), masks.to_dense_mask(meta)
     if sliding:
         tiled, dense = tiled[masks.SLIDING_ATTENTION], dense[masks.SLIDING_ATTENTION]
     R, qt, n = tiled.keys.shape
@@ -232,7 +232,7 @@ def test_tiled_mask_from_metadata_is_the_dense_rule(sliding):
     assert n < (S + Q) // 2, "a query tile gathers a fraction of the row's keys"
     g = torch.Generator().manual_seed(1)
     leaves = [torch.randn(2, h, m, 16, generator=g) for h, m in ((4, Q), (2, S + Q), (2, S + Q))]
-    torch.testing.assert_close(masks.tiled_sdpa(*leaves, tiled, 0.25), _sdpa_reference(*leaves, dense),
+    torch.testing.assert_close(attention.tiled_sdpa(*leaves, tiled, 0.25), _sdpa_reference(*leaves, dense),
                                atol=1e-5, rtol=1e-5)
 
 
@@ -243,7 +243,7 @@ def test_tiled_mask_sees_each_key_once_where_query_tiles_differ_in_width():
                block_anchor=[300 + i for i in range(16)] + [1050 + i for i in range(16)])
     meta = masks.mask_metadata(**row)
     assert int(meta["full_kv_num_blocks"][0]) >= 2, "the row has entirely visible tiles"
-    tiled = masks.to_tiled_mask(meta)
+    tiled = attention.to_tiled_mask(meta)
     R, qt, n = tiled.keys.shape
     seen = (tiled.attn & tiled.rows_on).view(R, qt, 128, n).to(torch.int8)
     back = torch.zeros(R, qt, 128, 1280 + 256, dtype=torch.int8)

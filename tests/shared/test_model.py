@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from dflash import masks
-from dflash.model import DFlashDrafter, DraftCache, DrafterConfig, drafter_logits, state_dict_keys
+from dflash.drafter import DFlashDrafter, DrafterConfig, masks
+from dflash.drafter.dflash import DraftCache, drafter_logits, state_dict_keys
 
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*flex_attention.*")

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash import masks
+from dflash.drafter import masks
 
 torch.set_num_threads(1)
 
@@ -187,7 +187,7 @@ H, NL = 32, 2  # hidden size, target layers read
 
 
 def sliding_drafter(layer_types, W, B=4, seed=0):
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig(hidden_size=H, num_hidden_layers=len(layer_types), num_attention_heads=4,
                         num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=50,
@@ -203,7 +203,7 @@ def sliding_drafter(layer_types, W, B=4, seed=0):
 
 
 def test_config_normalises_and_refuses():
-    from dflash.model import DrafterConfig
+    from dflash.drafter import DrafterConfig
 
     m = sliding_drafter(["sliding", "full_attention", "sliding_attention"], 8)
     assert m.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
@@ -232,8 +232,9 @@ def packed_row(B, T, anchors, seed=0):
 
 
 def plain_forward(m, ctx, emb, ctx_pos, bpos, per_layer_masks):
-    """The drafter restated layer by layer with explicit per-layer dense masks (no dflash.masks)."""
-    from dflash.model import apply_rope, attend
+    """The drafter restated layer by layer with explicit per-layer dense masks (no dflash.drafter.masks)."""
+    from dflash.drafter.attention import attend
+    from dflash.drafter.dflash import apply_rope
 
     c = m._context(ctx)
     crope, brope = m.rotary_emb(ctx_pos), m.rotary_emb(bpos)
@@ -322,9 +323,9 @@ def test_speculative_loop_with_a_sliding_drafter(tmp_path):
     training forward (sliding masks) for that anchor over the whole sequence's target features."""
     from transformers import AutoModelForCausalLM
 
+    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.speculative import LayerCapture, greedy_generate, speculative_generate
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.target_model.files import target_config
     from helpers import make_tiny_target
 
     target_dir = make_tiny_target(tmp_path)
@@ -372,7 +373,7 @@ def test_speculative_loop_with_a_sliding_drafter(tmp_path):
 def test_compiled_drafter_with_sliding_block_masks_on_cuda(W):
     """The training path on a GPU: a torch.compile'd drafter over {layer type: BlockMask} built by
     from_kv_blocks (no create_block_mask), outputs and gradients equal to SDPA with the dense masks."""
-    from dflash.model import DFlashDrafter, DrafterConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
 
     dev = torch.device("cuda")
     B = 16

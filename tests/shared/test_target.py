@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from dflash.errors import TargetError
-from dflash.target.capture import Capture, check_layers, load_target, load_tokenizer, real_positions, topk_logprobs
+from dflash.target_model.capture import (
+    Capture,
+    check_layers,
+    load_target,
+    load_tokenizer,
+    real_positions,
+    topk_logprobs,
+)
 from helpers import make_tiny_target
 
 CPU = torch.device("cpu")

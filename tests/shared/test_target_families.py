@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.target.capture import Capture, decoder_layers, load_target
-from dflash.target.files import default_target_layers, load_embed_and_head, target_identity
+from dflash.target_model.capture import Capture, decoder_layers, load_target
+from dflash.target_model.files import default_target_layers, load_embed_and_head, target_identity
 from target_families import FAMILIES, HYBRID, make_family_target
 
 CPU = torch.device("cpu")
@@ -129,7 +129,7 @@ def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
     from dflash.config import ExportConfig
     from dflash.evaluate.export import load_export, run_export
     from dflash.evaluate.run import load_prompts, online_eval
-    from dflash.target.capture import load_target, load_tokenizer
+    from dflash.target_model.capture import load_target, load_tokenizer
 
     assert run_export(ExportConfig(source=str(out), out=str(tmp_path / "export"), check=True, dtype="fp32"))["check"]["ok"]
     target = load_target(d, torch.float32, CPU)

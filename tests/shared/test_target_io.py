@@ -1,4 +1,4 @@
-from dflash.target.files import default_target_layers
+from dflash.target_model.files import default_target_layers
 
 
 def test_default_layers_match_design_for_qwen3_8b():

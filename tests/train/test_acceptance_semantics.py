@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import masks
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter, DrafterConfig, masks
 from dflash.train import loader as L
 from dflash.train.loss import IGNORE, block_loss, default_gamma, position_weights, reference_block_loss
 

@@ -20,8 +20,8 @@ from dflash.train import checkpoint as ckpt
 
 @pytest.fixture(scope="module")
 def drafter(tiny_store):
-    from dflash.model import DFlashDrafter, DrafterConfig
-    from dflash.target.files import target_config
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import target_config
 
     target, _, _ = tiny_store
     cfg = DrafterConfig.from_target(target_config(str(target)), 1, 4, [1, 2], 580)

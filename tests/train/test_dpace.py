@@ -61,10 +61,10 @@ def test_previous_tokens_are_the_anchor_then_the_true_tokens():
 
 
 class _Selector:
-    """dflash.dflash2.CandidateSelector's scores with hand-set tables (vocab 4, rank 1)."""
+    """dflash.drafter.dflash2.CandidateSelector's scores with hand-set tables (vocab 4, rank 1)."""
 
     def __init__(self):
-        from dflash.dflash2 import CandidateSelector
+        from dflash.drafter.dflash2 import CandidateSelector
 
         self.m = CandidateSelector(hidden=2, vocab=4, rank=1, top_k=3)
         with torch.no_grad():

@@ -144,8 +144,8 @@ def test_a_gated_attention_target_is_refused_through_the_cli(tmp_path):
 
 
 def _plan(target, num_layers):
-    from dflash.model import DrafterConfig
-    from dflash.target.files import default_target_layers, target_config
+    from dflash.drafter import DrafterConfig
+    from dflash.target_model.files import default_target_layers, target_config
     from dflash.train.drafter_init import plan
 
     tcfg = target_config(target)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import masks
+from dflash.drafter import masks
 from dflash.errors import DataError
 from dflash.train import loader as L
 from dflash.train.loss import IGNORE, position_weights

@@ -82,7 +82,7 @@ def test_fused_compiled_loss_matches_reference(kd_weight):
     for chunk in (8, 8, 5):  # 8: full chunks + a short tail; 5: another tail length
         h = hidden.clone().requires_grad_(True)
         out = block_loss(h, head, labels, weights, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
-                         kd_weight=kd_weight, kd_temperature=2.0, chunk=chunk, label_index=sel, fused=True)
+                         kd_weight=kd_weight, kd_temperature=2.0, chunk=chunk, label_index=sel, kernel="compiled")
         out.loss.backward()
         outs.append(out)
         grads.append(h.grad)

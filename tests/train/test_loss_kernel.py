@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import loss_kernel_checks  # noqa: E402
 from dflash.train import loss_kernel  # noqa: E402
-from dflash.train.loss import block_loss, reference_block_loss  # noqa: E402
+from dflash.train.loss import block_loss, chunk_kernel, reference_block_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,13 +36,17 @@ def test_interpreted_kernel(interpreted, name):
 
 
 def test_block_loss_triton_falls_back_on_cpu(monkeypatch):
-    """Without the interpreter a CPU tensor cannot run the kernel: kernel="triton" keeps the usual path."""
+    """Without the interpreter a CPU tensor cannot run the kernel: --loss-kernel triton gets torch's path,
+    and block_loss refuses the Triton kernel where it cannot run."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(loss_kernel, "fused_ce_terms", None)  # would raise if called
     hidden, head, labels, weights, _, _, B = loss_kernel_checks.batch()
-    out = block_loss(hidden, head, labels, weights, block_size=B, denom=1.0, chunk=7, kernel="triton")
+    kernel = chunk_kernel("triton", False, hidden.device, compiled=False)
+    assert kernel == "eager"
+    out = block_loss(hidden, head, labels, weights, block_size=B, denom=1.0, chunk=7, kernel=kernel)
     ref = reference_block_loss(hidden, head, labels, weights, 1.0)
     assert torch.allclose(out.loss, ref, rtol=1e-5)
-    with pytest.raises(ValueError):
-        block_loss(hidden, head, labels, weights, block_size=B, denom=1.0, kernel="tritn")
+    for bad in ("tritn", "triton"):
+        with pytest.raises(ValueError):
+            block_loss(hidden, head, labels, weights, block_size=B, denom=1.0, kernel=bad)
 

@@ -8,7 +8,7 @@ import torch
 from test_acceptance_semantics import MASK_ID, B, H, V, dataset
 
 from dflash.config import TrainConfig
-from dflash.model import DrafterConfig
+from dflash.drafter import DrafterConfig
 from dflash.train.step import TrainStep
 
 

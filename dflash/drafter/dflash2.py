@@ -11,7 +11,7 @@ selector, computed as vLLM and SGLang serve a `DFlash2DraftModel` (docs/DESIGN.m
                 proposals: a greedy walk, prev = the anchor, then the candidate chosen one position earlier
 
 The context keys/values are DFlash's (hidden_norm(fc(features)) through each layer's k/v projection, no
-convolution).  Everything else (masks, RoPE, frozen embedding and lm_head) is `dflash.model`'s.  A fresh
+convolution).  Everything else (masks, RoPE, frozen embedding and lm_head) is `dflash.drafter.dflash`'s.  A fresh
 DFlash2 drafter computes exactly what the DFlash drafter with the same weights computes: the convolutions
 start as the identity (base tap 0 = 1, kernel_projection = 0) and the successor codebook at 0.
 """
@@ -25,18 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.model import (
-    INIT_STD,
-    DecoderLayer,
-    DFlashDrafter,
-    DrafterConfig,
-    drafter_logits,
-    init_linears_and_norms,
-    state_dict_keys,
-)
+from dflash.drafter.config import INIT_STD, DrafterConfig
+from dflash.drafter.dflash import DecoderLayer, DFlashDrafter, drafter_logits, init_linears_and_norms
 
-ARCHS = ("dflash", "dflash2")
-ARCHITECTURE = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCHITECTURE = "DFlash2DraftModel"
 # dflash_config fields every engine loader requires of a DFlash2 drafter (vLLM indexes them directly).
 REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
@@ -74,7 +66,7 @@ class DFlash2Config(DrafterConfig):
 
     def to_hf_dict(self) -> dict:
         d = super().to_hf_dict()
-        d["architectures"] = [ARCHITECTURE["dflash2"]]
+        d["architectures"] = [ARCHITECTURE]
         dc = d["dflash_config"]
         dc.update({k: getattr(self, k) for k in REQUIRED})
         dc["output_multiplier"] = self.output_multiplier
@@ -91,47 +83,16 @@ class DFlash2Config(DrafterConfig):
         if missing:
             raise ValueError(f"a DFlash2DraftModel config needs dflash_config.{', '.join(missing)}")
         knobs = {k: int(dc[k]) for k in REQUIRED}
-        return with_arch(DrafterConfig.from_hf_dict(d), "dflash2", **knobs,
-                         output_multiplier=float(dc.get("output_multiplier", 1.0)),
-                         final_logit_softcapping=dc.get("final_logit_softcapping"),
-                         input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)))
+        return cls.from_base(DrafterConfig.from_hf_dict(d), **knobs,
+                             output_multiplier=float(dc.get("output_multiplier", 1.0)),
+                             final_logit_softcapping=dc.get("final_logit_softcapping"),
+                             input_embedding_scale=float(dc.get("input_embedding_scale", 1.0)))
 
-
-def arch_of(cfg) -> str:
-    return "dflash2" if isinstance(cfg, DFlash2Config) else "dflash"
-
-
-def config_from_hf_dict(d: dict) -> DrafterConfig:
-    """DrafterConfig or DFlash2Config, by `architectures` (what the engines dispatch on too)."""
-    if ARCHITECTURE["dflash2"] in (d.get("architectures") or ()):
-        return DFlash2Config.from_hf_dict(d)
-    return DrafterConfig.from_hf_dict(d)
-
-
-def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
-    return DFlash2Drafter(cfg) if isinstance(cfg, DFlash2Config) else DFlashDrafter(cfg)
-
-
-def with_arch(cfg: DrafterConfig, arch: str, **knobs) -> DrafterConfig:
-    """`cfg` (a DFlash config) as the drafter `arch` asks for; knobs are DFlash2Config's own fields."""
-    if arch == "dflash":
-        return cfg
-    if arch != "dflash2":
-        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
-    base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)}
-    return DFlash2Config(**base, **{k: v for k, v in knobs.items() if v is not None})
-
-
-def export_keys(cfg: DrafterConfig) -> list[str]:
-    """The exported tensor names of either drafter."""
-    keys = state_dict_keys(cfg.num_hidden_layers, cfg.attention_bias)
-    if not isinstance(cfg, DFlash2Config):
-        return keys
-    for i in range(cfg.num_hidden_layers):
-        for conv in ("attention_conv", "mlp_conv"):
-            keys += [f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"]
-    return keys + [f"candidate_selector.{n}" for n in
-                   ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
+    @classmethod
+    def from_base(cls, cfg: DrafterConfig, **knobs) -> DFlash2Config:
+        """`cfg`'s DFlash fields with these DFlash2 fields (None = the default)."""
+        base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(DrafterConfig)}
+        return cls(**base, **{k: v for k, v in knobs.items() if v is not None})
 
 
 class DFlashGroupedConv(nn.Module):
@@ -183,8 +144,8 @@ class DFlashGroupedConv(nn.Module):
 
 
 class DFlash2DecoderLayer(DecoderLayer):
-    def __init__(self, cfg: DFlash2Config):
-        super().__init__(cfg)
+    def __init__(self, cfg: DFlash2Config, kernel_options: dict | None = None):
+        super().__init__(cfg, kernel_options)
         args = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
         self.attention_conv = DFlashGroupedConv(*args)
         self.mlp_conv = DFlashGroupedConv(*args)
@@ -221,12 +182,16 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Drafter(DFlashDrafter):
+    arch = "dflash2"
+    config_cls = DFlash2Config
     layer_cls = DFlash2DecoderLayer
+    knobs = REQUIRED
+    selects_candidates = True
 
-    def __init__(self, cfg: DFlash2Config):
+    def __init__(self, cfg: DFlash2Config, flex_kernel_options: dict | None = None):
         if not isinstance(cfg, DFlash2Config):
             raise TypeError("DFlash2Drafter needs a DFlash2Config")
-        super().__init__(cfg)
+        super().__init__(cfg, flex_kernel_options)
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
 
@@ -277,6 +242,13 @@ class DFlash2Drafter(DFlashDrafter):
             out.append(prev)
         return torch.stack(out, 1)
 
+    @classmethod
+    def export_keys(cls, cfg: DFlash2Config) -> list[str]:
+        """DFlash's tensor names, the convolutions' and the candidate selector's."""
+        keys = super().export_keys(cfg)
+        for i in range(cfg.num_hidden_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                keys += [f"layers.{i}.{conv}.base_kernel", f"layers.{i}.{conv}.kernel_projection.weight"]
+        return keys + [f"candidate_selector.{n}" for n in
+                       ("predecessor_codebook", "successor_codebook", "hidden_projection.weight")]
 
-__all__ = ["ARCHS", "ARCHITECTURE", "CandidateSelector", "DFlash2Config", "DFlash2Drafter", "DFlashGroupedConv",
-           "arch_of", "build_drafter", "config_from_hf_dict", "export_keys", "with_arch"]

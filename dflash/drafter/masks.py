@@ -16,11 +16,8 @@ process turns the metadata into a `BlockMask` with `BlockMask.from_kv_blocks`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 TILE = 128
 
@@ -234,7 +231,7 @@ def make_mask_mod(desc: dict[str, torch.Tensor], sliding: bool = False):
     return mask_mod
 
 
-def _batched(meta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def batched(meta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if meta["kv_num_blocks"].dim() == 1:  # a single row
         return {k: v.unsqueeze(0) for k, v in meta.items()}
     return meta
@@ -247,7 +244,7 @@ def to_block_mask(meta: dict[str, torch.Tensor], tile: int = TILE):
     BlockMask} (both over the same descriptors); the drafter picks one per layer."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    meta = _batched(meta)
+    meta = batched(meta)
     Q, SQ = meta["q_sample"].shape[-1], meta["kv_sample"].shape[-1]
 
     def build(prefix: str, sliding: bool):
@@ -301,95 +298,7 @@ def block_mask_to_dense(bm):
 def to_dense_mask(meta: dict[str, torch.Tensor]):
     """Bool [R, 1, Q, S+Q] for the model's SDPA path (small inputs, CPU, debugging); with sliding-window
     tiles in `meta`, {"full_attention": mask, "sliding_attention": mask} as to_block_mask gives."""
-    meta = _batched(meta)
+    meta = batched(meta)
     if has_sliding(meta):
         return {FULL_ATTENTION: dense_mask(meta).unsqueeze(1), SLIDING_ATTENTION: dense_mask(meta, True).unsqueeze(1)}
     return dense_mask(meta).unsqueeze(1)
-
-
-@dataclass(frozen=True)
-class TiledMask:
-    """A packed row's mask as the key tiles each query tile sees (the CPU path's form, tiled_sdpa): `keys`
-    [R, qt, n] is the key index of each gathered slot, `attn` [R*qt, 1, tile, n] which slots each query sees
-    (a query that sees none sees all, as SDPA needs; `rows_on` [R*qt, 1, tile, 1] says which see any)."""
-
-    keys: torch.Tensor
-    attn: torch.Tensor
-    rows_on: torch.Tensor
-    tile: int = TILE
-
-    @classmethod
-    def of(cls, keys: torch.Tensor, mask: torch.Tensor, tile: int) -> TiledMask:
-        rows_on = mask.any(-1, keepdim=True)
-        return cls(keys, mask | ~rows_on, rows_on, tile)
-
-
-def _tiles_first(ids: torch.Tensor, used: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query tile's used key tiles first (a stable sort keeps key order), cut to the widest count:
-    key indices [R, qt, width*tile] and whether each slot is a used tile's."""
-    width = max(int(used.sum(-1).max()), 1)
-    order = torch.sort((~used).to(torch.int8), dim=-1, stable=True).indices[..., :width]
-    tiles, ok = ids.gather(-1, order), used.gather(-1, order)
-    keys = (tiles.unsqueeze(-1) * tile + torch.arange(tile, device=ids.device)).flatten(-2)
-    return keys, ok.repeat_interleave(tile, -1)
-
-
-def _tiled(meta: dict[str, torch.Tensor], sliding: bool, tile: int) -> TiledMask:
-    p = SLIDING if sliding else ""
-    lists = [(meta[p + "kv_indices"], meta[p + "kv_num_blocks"]), (meta[p + "full_kv_indices"], meta[p + "full_kv_num_blocks"])]
-    ids = torch.cat([idx for idx, _ in lists], -1).long()
-    used = torch.cat([torch.arange(idx.shape[-1]) < num.unsqueeze(-1) for idx, num in lists], -1)
-    keys, ok = _tiles_first(ids, used, tile)
-    R, qt, n = keys.shape
-    kv = [meta[k].gather(-1, keys.flatten(1)).view(R, qt, 1, n) for k in ("kv_sample", "kv_pos", "kv_block")]
-    names = ("q_sample", "q_anchor", "q_block") + (("q_pos", "q_window_lo") if sliding else ())
-    q = [meta[k].view(R, qt, tile, 1) for k in names]
-    mask = (visible_sliding if sliding else visible)(*q, *kv) & ok.view(R, qt, 1, n)
-    return TiledMask.of(keys, mask.flatten(0, 1).unsqueeze(1), tile)
-
-
-def to_tiled_mask(meta: dict[str, torch.Tensor], tile: int = TILE):
-    """to_dense_mask's mask as a TiledMask, from the tile lists and descriptors alone (no Q x (S+Q) mask is
-    built); with sliding-window tiles in `meta`, {"full_attention": ..., "sliding_attention": ...}."""
-    meta = _batched(meta)
-    if has_sliding(meta):
-        return {FULL_ATTENTION: _tiled(meta, False, tile), SLIDING_ATTENTION: _tiled(meta, True, tile)}
-    return _tiled(meta, False, tile)
-
-
-def tiled_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float,
-               tile: int = TILE) -> torch.Tensor | None:
-    """SDPA of q [R,h,Q,d] over k/v [R,kvh,K,d] under a TiledMask, or a bool mask [R,1,Q,K], over only the key
-    tiles each query tile can see; None for a bool mask whose shapes are not whole tiles or which is too dense
-    to gain.
-
-    A packed row's mask is block-diagonal by sample, so a tile of queries sees a few of the row's key tiles.
-    SDPA's CPU kernel skips no masked tile (it spent over half of a CPU training step on them), so each query
-    tile's visible key tiles are gathered and attended densely: the same sums over the same keys. Slots that
-    pad a query tile's list are masked off, so they contribute nothing."""
-    if not isinstance(mask, TiledMask):
-        mask = _tiled_from_dense(mask, q.shape[2], k.shape[2], tile)
-        if mask is None:
-            return None
-    R, h, Q, d = q.shape
-    qt, tile = Q // mask.tile, mask.tile
-    rows = torch.arange(R, device=q.device).view(R, 1, 1)
-    kg = k.transpose(1, 2)[rows, mask.keys].permute(0, 1, 3, 2, 4).flatten(0, 1)  # [R*qt, kvh, n, d]
-    vg = v.transpose(1, 2)[rows, mask.keys].permute(0, 1, 3, 2, 4).flatten(0, 1)
-    qg = q.view(R, h, qt, tile, d).transpose(1, 2).flatten(0, 1)  # [R*qt, h, tile, d]
-    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask.attn, scale=scale, enable_gqa=True)
-    out = out.masked_fill(~mask.rows_on, 0.0)
-    return out.view(R, qt, h, tile, d).transpose(1, 2).reshape(R, h, Q, d)
-
-
-def _tiled_from_dense(mask: torch.Tensor, Q: int, K: int, tile: int) -> TiledMask | None:
-    if Q % tile or K % tile or mask.shape[1] != 1:
-        return None
-    R, qt, kt = mask.shape[0], Q // tile, K // tile
-    seen = mask.view(R, qt, tile, kt, tile).any(4).any(2)  # [R, qt, kt]
-    width = int(seen.sum(-1).max())
-    if width == 0 or 2 * width > kt:
-        return None
-    keys, _ = _tiles_first(torch.arange(kt).expand(R, qt, kt), seen, tile)
-    mg = torch.gather(mask.view(R, qt, tile, K), 3, keys.unsqueeze(2).expand(R, qt, tile, keys.shape[-1]))
-    return TiledMask.of(keys, mg.flatten(0, 1).unsqueeze(1), tile)
