@@ -10,7 +10,7 @@ on the device, each after a warm-up pass over a few batches and timed with a syn
   forward   the decoder alone (`model.model`), the floor nothing can beat;
   lm_head   the decoder then the lm_head over every real position in chunks (the model's own forward
             without materialising [B, T, V] at once);
-  capture   `dflash.target.capture.Capture` (hooks on the chosen layers + chunked top-k), what precompute runs.
+  capture   `dflash.target_model.capture.Capture` (hooks on the chosen layers + chunked top-k), what precompute runs.
 Rates count real (unpadded) tokens.  The `dflash precompute` command itself is timed by the script that
 calls this one (its summary line), so the difference to `capture` is the pipeline around it.
 """
@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from dflash.chat import conversation_of, load_rows, render  # noqa: E402
 from dflash.precompute.shard import WINDOW, plan_batches  # noqa: E402
-from dflash.target.capture import Capture, load_target, load_tokenizer  # noqa: E402
-from dflash.target.files import default_target_layers  # noqa: E402
+from dflash.target_model.capture import Capture, load_target, load_tokenizer  # noqa: E402
+from dflash.target_model.files import default_target_layers  # noqa: E402
 
 SHAPES = {
     # SmolLM2-135M-Instruct's config (Llama, tied embeddings)

@@ -33,7 +33,7 @@ def auto_workers(device_type: str, num_shards: int) -> int:
 
 
 def _init(parent_pid: int, target: str, trust_remote_code: bool, data: str, split: str, max_samples) -> None:
-    from dflash.target.capture import load_tokenizer
+    from dflash.target_model.capture import load_tokenizer
 
     die_with_parent(parent_pid)
     _worker["tokenizer"] = load_tokenizer(target, trust_remote_code)

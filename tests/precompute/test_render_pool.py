@@ -46,7 +46,7 @@ def test_workers_write_the_store_inline_rendering_writes(tmp_path, tiny_target, 
 def test_a_row_a_worker_cannot_render_names_the_row(tmp_path, tiny_target):
     from dflash.chat import load_rows
     from dflash.precompute.render_pool import RenderPool
-    from dflash.target.capture import load_tokenizer
+    from dflash.target_model.capture import load_tokenizer
 
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 6, seed=1)
     with open(data, "a") as f:  # row 6: a format no reader knows (the row checks would stop it first)
