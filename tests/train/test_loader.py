@@ -170,30 +170,30 @@ def test_batches_from_a_real_store(store):
     plan = ds.plan(0)
     assert len(plan) >= 2
     b = ds[(0, 0)]
-    R, S = b["ctx_positions"].shape
-    Q = b["labels"].shape[1]
+    R, S = b.ctx_positions.shape
+    Q = b.labels.shape[1]
     assert S in spec.s_shapes and Q in spec.q_shapes and R == spec.rows_per_batch
-    assert b["ctx_hidden"].dtype == torch.bfloat16 and b["ctx_hidden"].shape[-1] == store.hidden_size * 2
+    assert b.ctx_hidden.dtype == torch.bfloat16 and b.ctx_hidden.shape[-1] == store.hidden_size * 2
     # labels are the sample's own tokens at anchor + k, and the first block token is the anchor's token
-    sid = int(b["sample_ids"][0])
+    sid = int(b.sample_ids[0])
     d = store.read(sid)
-    row0 = b["labels"][0]
-    anchors = b["block_positions"][0, :: spec.block_size]
+    row0 = b.labels[0]
+    anchors = b.block_positions[0, :: spec.block_size]
     a0 = int(anchors[0])
-    assert int(b["block_input_ids"][0, 0]) == int(d["input_ids"][a0])
-    assert (b["block_input_ids"][0, 1 : spec.block_size] == 7).all()
+    assert int(b.block_input_ids[0, 0]) == int(d["input_ids"][a0])
+    assert (b.block_input_ids[0, 1 : spec.block_size] == 7).all()
     for k in range(1, spec.block_size):
         if int(row0[k]) != IGNORE:
             assert int(row0[k]) == int(d["input_ids"][a0 + k]) and bool(d["loss_mask"][a0 + k])
             # KD targets: the target's top-k at the previous position
-            assert torch.equal(b["topk_ids"][0, k], d["topk_ids"][a0 + k - 1])
+            assert torch.equal(b.topk_ids[0, k], d["topk_ids"][a0 + k - 1])
     # mask metadata: what flex would apply equals the rule on the descriptors
-    bm = masks.to_block_mask(b["mask"])
-    assert torch.equal(masks.block_mask_to_dense(bm)[:, 0], masks.dense_mask(b["mask"]))
+    bm = masks.to_block_mask(b.mask)
+    assert torch.equal(masks.block_mask_to_dense(bm)[:, 0], masks.dense_mask(b.mask))
     # context of the first sample sits at the start of row 0 with positions 0..T-1
     T = min(len(d["input_ids"]), S)
-    assert b["ctx_positions"][0, :T].tolist() == list(range(T))
-    assert torch.equal(b["ctx_hidden"][0, :T], d["hidden"][:T])
+    assert b.ctx_positions[0, :T].tolist() == list(range(T))
+    assert torch.equal(b.ctx_hidden[0, :T], d["hidden"][:T])
 
 
 def test_workers_build_batches(store):
@@ -202,10 +202,10 @@ def test_workers_build_batches(store):
     ds = L.PackedDataset(store, spec)
     sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
     got = list(L.make_loader(ds, sampler, num_workers=1))
-    assert [(x["epoch"], x["index"]) for x in got] == [(0, 0), (0, 1)]
+    assert [(x.epoch, x.index) for x in got] == [(0, 0), (0, 1)]
     for x in got:
-        ref = ds[(x["epoch"], x["index"])]
-        assert torch.equal(x["labels"], ref["labels"]) and torch.equal(x["mask"]["kv_indices"], ref["mask"]["kv_indices"])
+        ref = ds[(x.epoch, x.index)]
+        assert torch.equal(x.labels, ref.labels) and torch.equal(x.mask["kv_indices"], ref.mask["kv_indices"])
 
 
 def test_store_too_small_for_one_step():
@@ -223,19 +223,19 @@ def test_hidden_read_straight_into_batches(store):
     for g in range(len(ds.plan(0))):
         b = ds[(0, g)]
         c0, r = 0, 0
-        for sid in b["sample_ids"].tolist():
+        for sid in b.sample_ids.tolist():
             h = store.read(sid)["hidden"]
             T = min(len(h), spec.s_shapes[-1])
-            if c0 + T > b["ctx_hidden"].shape[1]:  # next row
-                assert (b["ctx_hidden"][r, c0:] == 0).all()
+            if c0 + T > b.ctx_hidden.shape[1]:  # next row
+                assert (b.ctx_hidden[r, c0:] == 0).all()
                 r, c0 = r + 1, 0
-            assert torch.equal(b["ctx_hidden"][r, c0 : c0 + T], h[:T]), (g, sid)
+            assert torch.equal(b.ctx_hidden[r, c0 : c0 + T], h[:T]), (g, sid)
             c0 += T
-        assert (b["ctx_hidden"][r, c0:] == 0).all()
+        assert (b.ctx_hidden[r, c0:] == 0).all()
     sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
     for x in L.make_loader(ds, sampler, num_workers=1):
-        assert x["ctx_hidden"].is_shared()
-        assert torch.equal(x["ctx_hidden"], ds[(x["epoch"], x["index"])]["ctx_hidden"])
+        assert x.ctx_hidden.is_shared()
+        assert torch.equal(x.ctx_hidden, ds[(x.epoch, x.index)].ctx_hidden)
 
 
 def test_batch_slots_carry_context_features(store):
@@ -252,8 +252,8 @@ def test_batch_slots_carry_context_features(store):
     steps = 3 * len(ds.plan(0))  # three epochs
     direct = BatchSlots(steps + 1, L.batch_bytes(spec, width))  # enough slots that nothing waits
     raw = list(L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=direct))
-    assert [x["seq"] for x in raw] == list(range(steps))
-    assert all(x["slot"] == x["seq"] and "ctx_hidden" not in x for x in raw)
+    assert [x.seq for x in raw] == list(range(steps))
+    assert all(x.slot == x.seq and x.ctx_hidden is None for x in raw)
 
     slots = BatchSlots(2, L.batch_bytes(spec, width))
     loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=slots)
@@ -265,9 +265,9 @@ def test_batch_slots_carry_context_features(store):
         except StopIteration:
             break
         b = feeder.ready(item)
-        ref = ds[(b["epoch"], b["index"])]
-        assert "slot" not in b and "seq" not in b
-        assert torch.equal(b["ctx_hidden"], ref["ctx_hidden"]) and torch.equal(b["labels"], ref["labels"])
+        ref = ds[(b.epoch, b.index)]
+        assert b.slot is None and b.seq is None
+        assert torch.equal(b.ctx_hidden, ref.ctx_hidden) and torch.equal(b.labels, ref.labels)
         seen += 1
     assert seen == steps
     # each slot's counter names the first micro-batch that may use it next: the last user + 2
