@@ -274,6 +274,42 @@ def test_batch_slots_carry_context_features(store):
     assert slots.next_seq.tolist() == [max(q for q in range(steps) if q % 2 == s) + 2 for s in range(2)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_feeder_brings_pinned_micro_batches_to_the_gpu(store, with_slots):
+    """On a GPU the loader pins each MicroBatch (or its features sit in page-locked slots) and the feeder
+    copies it on its side stream: every tensor, the mask's included, arrives on the device unchanged."""
+    from dflash.train.batch_slots import BatchSlots
+    from dflash.train.feeder import DeviceFeeder
+
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
+    ds = L.PackedDataset(store, spec)
+    steps, dev = 2 * len(ds.plan(0)), torch.device("cuda")
+    slots = BatchSlots(3, L.batch_bytes(spec, store.hidden_size * store.num_layers), pin=True) if with_slots else None
+    loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=1, pin_memory=True, slots=slots)
+    feeder = DeviceFeeder(loader, dev, per_step=1, slots=slots)
+    seen = 0
+    try:
+        while True:
+            try:
+                (item,) = feeder.take()
+            except StopIteration:
+                break
+            b = feeder.ready(item)
+            assert all(t.device.type == "cuda" for t in b.tensors()) and b.ctx_hidden is not None
+            ref = ds[(b.epoch, b.index)].to(dev)
+            for name in ("ctx_hidden", "ctx_positions", "labels", "loss_weight", "label_index", "sample_ids"):
+                assert torch.equal(getattr(b, name), getattr(ref, name)), name
+            assert all(torch.equal(b.mask[k], ref.mask[k]) for k in ref.mask)
+            assert b.loss_weight_sum == ref.loss_weight_sum and b.slot is None and b.seq is None
+            seen += 1
+    finally:
+        feeder.close()
+        if slots is not None:
+            slots.close()
+    assert seen == steps
+
+
 def test_feeder_releases_slots_in_order():
     """Slots are released oldest first, as their copies finish; a copy still running holds back the
     slots after it, except the one the next micro-batch needs, which is waited for (never a deadlock)."""
