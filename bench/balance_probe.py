@@ -147,7 +147,7 @@ def main() -> None:
                     fwd_bwd(m)
                     runs.append(time.perf_counter() - t)
             times[keyed[g]] = median(runs)
-            ctx_tokens[keyed[g]] = int(b["num_ctx_tokens"])
+            ctx_tokens[keyed[g]] = int(b.num_ctx_tokens)
             del m, b
         else:
             continue

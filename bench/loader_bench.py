@@ -121,9 +121,9 @@ def iterate(store_path: Path, mask_id: int, tiny: bool, workers: int, max_batche
     n = ctx = blk = nbytes = 0
     for b in it:
         n += 1
-        ctx += b["num_ctx_tokens"]
-        blk += b["num_block_tokens"]
-        nbytes += b["ctx_hidden"].numel() * b["ctx_hidden"].element_size()
+        ctx += b.num_ctx_tokens
+        blk += b.num_block_tokens
+        nbytes += b.ctx_hidden.numel() * b.ctx_hidden.element_size()
         if time.perf_counter() - t_first > cap_s:
             break
     dt = time.perf_counter() - t_first

@@ -11,6 +11,7 @@ import torch
 import common  # noqa: F401  (puts the repo root on sys.path)
 from dflash.drafter import DrafterConfig, masks
 from dflash.train import loader as L
+from dflash.train.batch import MicroBatch
 
 TILE = masks.TILE
 
@@ -85,6 +86,8 @@ def build_batches(n_batches: int, R: int, S: int, Q: int, k: int, B: int, width:
 
 
 def pin(b):
+    if isinstance(b, MicroBatch):
+        return b.pin_memory()
     if isinstance(b, torch.Tensor):
         return b.pin_memory()
     if isinstance(b, dict):
@@ -94,6 +97,8 @@ def pin(b):
 
 def to_device(b, device):
     nb = torch.device(device).type == "cuda"
+    if isinstance(b, MicroBatch):
+        return b.to(device, non_blocking=nb)
     if isinstance(b, torch.Tensor):
         return b.to(device, non_blocking=nb)
     if isinstance(b, dict):

@@ -90,16 +90,16 @@ class Bench:
         create_block_mask baseline (the trainer's step with another mask) and the loop as it ran before
         (host_syncs, not fused: nonzero() and float(denom) syncs, eager loss).  The measured step of
         dflash itself is TrainStep (mode "new" in `timed`)."""
-        denom = float(m["loss_weight"].sum().double()) if host_syncs else m["loss_weight_sum"]
-        block_mask = make_mask(m["mask"])
+        denom = float(m.loss_weight.sum().double()) if host_syncs else m.loss_weight_sum
+        block_mask = make_mask(m.mask)
         with self.autocast:
-            block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
-            hidden = self.raw(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
-        out = block_loss(hidden, self.head, m["labels"], m["loss_weight"], block_size=self.cfg.block_size,
+            block_embeds = torch.nn.functional.embedding(m.block_input_ids, self.embed)
+            hidden = self.raw(m.ctx_hidden, block_embeds, m.ctx_positions, m.block_positions, block_mask)
+        out = block_loss(hidden, self.head, m.labels, m.loss_weight, block_size=self.cfg.block_size,
                          denom=denom, chunk=self.args.lm_head_chunk,
                          kernel=chunk_kernel(getattr(self.args, "loss_kernel", "compiled") if fused else "compiled",
                                              False, hidden.device, compiled=fused),
-                         label_index=None if host_syncs else m["label_index"])
+                         label_index=None if host_syncs else m.label_index)
         out.loss.backward()
         if not optimizer_step:  # gradient accumulation (variant accum=N): the optimizer runs every N-th
             return out.loss
@@ -173,12 +173,12 @@ class Bench:
                 "new_graphs": counters["stats"]["unique_graphs"] - graphs0, "mode": mode}
 
     def report(self, r: dict, batches, R: int, S: int, Q: int) -> dict:
-        fl = [step_flops(self.cfg, R, S, Q, int((b["labels"] != IGNORE).sum()), live_tiles(b["mask"], self.cfg.layer_types))
+        fl = [step_flops(self.cfg, R, S, Q, int((b.labels != IGNORE).sum()), live_tiles(b.mask, self.cfg.layer_types))
               for b in batches]
         mean = {k: float(np.mean([f[k] for f in fl])) for k in fl[0]}
         t = r["wall_per_step"]  # throughput: wall time over all steps, nothing synced in between
-        ctx = float(np.mean([b["num_ctx_tokens"] for b in batches]))
-        blk = float(np.mean([b["num_block_tokens"] for b in batches]))
+        ctx = float(np.mean([b.num_ctx_tokens for b in batches]))
+        blk = float(np.mean([b.num_block_tokens for b in batches]))
         return {
             "steps": len(r["times"]),
             "mode": r["mode"],
@@ -256,7 +256,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
 
     if key == "flex":
         with res.guard("mask_timing"):
-            meta_dev = to_device(batches[0]["mask"], bench.device)
+            meta_dev = to_device(batches[0].mask, bench.device)
             reps = 10 if bench.tiny else 20
             md = [t_ for a, kw in calls[: 2 * R] for t_ in time_fn(lambda a=a, kw=kw: masks.mask_metadata(*a, **kw), "cpu", 5)]
             tb = time_fn(lambda: masks.to_block_mask(meta_dev), bench.device, reps)
@@ -269,7 +269,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
                 "loader_build_ms_per_batch_median": round(median(build_s) * 1e3, 1),
                 "to_block_mask_ms_median": round(median(tb) * 1e3, 3),
                 "create_block_mask_ms_median": round(median(cb) * 1e3, 3),
-                "live_tiles_per_row": live_tiles(batches[0]["mask"]) / R,
+                "live_tiles_per_row": live_tiles(batches[0].mask) / R,
                 "tiles_per_row_dense": (Q // TILE) * ((S + Q) // TILE),
                 "block_masks_equal": equal,
                 "tile_counts_equal": [int(bm1.kv_num_blocks.sum()), int(bm1.full_kv_num_blocks.sum())]

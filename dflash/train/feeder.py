@@ -7,6 +7,8 @@ from collections import deque
 
 import torch
 
+from dflash.train.batch import MicroBatch
+
 
 class DeviceFeeder:
     """The micro-batches of one optimizer step at a time, on the training device, the next step's copied
@@ -57,18 +59,19 @@ class DeviceFeeder:
                 break
             finally:
                 self.wait_s += time.perf_counter() - t
-            slot = b.pop("slot", None) if self.slots is not None else None
-            if slot is not None:
-                host = self.slots.view(slot, b.pop("ctx_shape"), torch.bfloat16)
-                b["ctx_hidden"] = host if self.stream is not None else host.clone()
+            if self.slots is not None and b.slot is not None:
+                host = self.slots.view(b.slot, b.ctx_shape, torch.bfloat16)
+                b.ctx_hidden = host if self.stream is not None else host.clone()
+                b.slot = b.ctx_shape = None
             event = None
             if self.stream is not None:
                 with torch.cuda.stream(self.stream):
-                    b = to_device(b, self.device)
+                    b = b.to(self.device, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self.stream)
             if self.slots is not None:
-                self._held.append((b.pop("seq"), event))
+                self._held.append((b.seq, event))
+                b.seq = None
                 self._fetched += 1
             items.append((b, event))
         return items or None
@@ -97,28 +100,14 @@ class DeviceFeeder:
                 event.synchronize()
             self.slots.release(seq)
 
-    def ready(self, item) -> dict:
+    def ready(self, item) -> MicroBatch:
         b, event = item
         if event is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(event)
-            for t in _tensors(b):
+            for t in b.tensors():
                 t.record_stream(main)  # the allocator must not reuse them while the step uses them
         return b
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    nb = device.type == "cuda"
-    return {k: (v.to(device, non_blocking=nb) if isinstance(v, torch.Tensor) else
-                to_device(v, device) if isinstance(v, dict) else v) for k, v in batch.items()}
-
-
-def _tensors(batch: dict):
-    for v in batch.values():
-        if isinstance(v, torch.Tensor):
-            yield v
-        elif isinstance(v, dict):
-            yield from _tensors(v)
-
-
-__all__ = ["DeviceFeeder", "to_device"]
+__all__ = ["DeviceFeeder"]

@@ -104,23 +104,17 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                 rows = [r for r in rows if len(r)]
                 if not rows:
                     break
-            b = ds.build(0, rows)
-            n_samples += int(b["num_samples"])
-            meta = {k: v.to(device) for k, v in b["mask"].items()}
-            mask = attention.mask_for(meta, device)
+            b = ds.build(0, rows).to(device)
+            n_samples += b.num_samples
+            mask = attention.mask_for(b.mask, device)
             with autocast:
-                hidden = drafter(
-                    b["ctx_hidden"].to(device),
-                    F.embedding(b["block_input_ids"].to(device), embed),
-                    b["ctx_positions"].to(device),
-                    b["block_positions"].to(device),
-                    mask,
-                )
-            labels = b["labels"].to(device)
+                hidden = drafter(b.ctx_hidden, F.embedding(b.block_input_ids, embed), b.ctx_positions,
+                                 b.block_positions, mask)
+            labels = b.labels
             if drafter.selects_candidates:  # DFlash2: the selector's proposals, as served (§11)
                 from dflash.train.objectives import selector_predictions
 
-                preds = selector_predictions(drafter, hidden, lm_head, labels, b["block_input_ids"].to(device), B)
+                preds = selector_predictions(drafter, hidden, lm_head, labels, b.block_input_ids, B)
             else:
                 preds = _greedy(hidden, lm_head, labels)
             tau, right, valid = block_acceptance(preds, labels, B)

@@ -20,6 +20,7 @@ import torch
 
 from dflash.drafter import masks
 from dflash.errors import DamagedSampleError, DataError
+from dflash.train.batch import MicroBatch, Packer
 from dflash.train.loss import IGNORE, position_weights
 from dflash.train.plan import (  # (re-exported below)
     EpochPlan,
@@ -82,10 +83,10 @@ def block_targets(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndar
 
 
 class PackedDataset(torch.utils.data.Dataset):
-    """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, as a dict of tensors.
+    """dataset[(epoch, g)] -> micro-batch g of that epoch's plan, a MicroBatch (dflash.train.batch).
 
     dataset[(epoch, g, seq)] (make_loader with slots): the same micro-batch, its context features in
-    batch slot `seq % num_slots` (dflash.train.batch_slots) instead of a tensor: the dict holds `seq` and
+    batch slot `seq % num_slots` (dflash.train.batch_slots) instead of a tensor: the batch holds `seq` and
     `slot`, and the training process views the slot (DeviceFeeder)."""
 
     slots = None  # BatchSlots shared with the workers (make_loader), or None: a fresh shared tensor per batch
@@ -103,7 +104,7 @@ class PackedDataset(torch.utils.data.Dataset):
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.lengths, self.max_blocks, self.spec, epoch)
 
-    def __getitem__(self, key: tuple) -> dict:
+    def __getitem__(self, key: tuple) -> MicroBatch:
         epoch, g, *seq = key
         return self.build(epoch, self.plan(epoch).batches[g], g, seq=seq[0] if seq else None)
 
@@ -144,86 +145,45 @@ class PackedDataset(torch.utils.data.Dataset):
             out["topk_logprobs"] = d["topk_logprobs"][:T][src]
         return out
 
-    def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> dict:
-        spec, B = self.spec, self.spec.block_size
-        R = spec.rows_per_batch
+    def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> MicroBatch:
         read = [[self._sample_or_skip(int(i), epoch) for i in row] for row in rows]
         damaged = sum(s is None for row in read for s in row)
         samples = [[s for s in row if s is not None] for row in read]
+        S, Q, LH, hidden_dtype, K = self._shape(samples)
+        shape = (self.spec.rows_per_batch, S, LH)
+        slot = None
+        if (seq is not None and self.slots is not None and hidden_dtype == torch.bfloat16
+                and self.slots.fits(shape, hidden_dtype)):
+            slot = self.slots.acquire(seq)
+        ctx = self.slots.view(slot, shape, hidden_dtype) if slot is not None else _batch_tensor(shape, hidden_dtype)
+        packer = Packer(ctx, Q, self.spec.block_size, self.spec.mask_token_id,
+                        sliding_window=self.spec.sliding_window, topk=K if self.spec.kd else None)
+        for row in samples:
+            for s in row:
+                try:
+                    packer.add(s, read_hidden=lambda dest, sid=s["sid"]: self.store.read_hidden_into(sid, dest))
+                except DamagedSampleError as e:
+                    self._skip(e)
+                    damaged += 1
+            packer.end_row()
+        b = packer.finish(epoch=epoch, index=g, num_damaged=damaged)
+        if seq is not None:  # the training process releases every seq in order, slot or not
+            b.seq, b.slot = seq, slot
+            if slot is not None:  # the features stay in the slot; only its number and shape cross over
+                b.ctx_hidden, b.ctx_shape = None, shape
+        return b
+
+    def _shape(self, samples: list[list[dict]]) -> tuple[int, int, int, torch.dtype, int]:
+        """(S, Q, feature width, feature dtype, top-K) of the micro-batch that packs these rows."""
+        spec = self.spec
         S = fit_shape(max(1, max(sum(s["T"] for s in row) for row in samples)), spec.s_shapes)
-        Q = fit_shape(max(1, max(sum(len(s["anchors"]) for s in row) for row in samples) * B), spec.q_shapes)
+        Q = fit_shape(max(1, max(sum(len(s["anchors"]) for s in row) for row in samples) * spec.block_size),
+                      spec.q_shapes)
         first = next((row[0]["hidden"] for row in samples if row), None)
         LH = first.shape[-1] if first is not None else self.store.hidden_size * self.store.num_layers
         hidden_dtype = first.dtype if first is not None else torch.bfloat16
         K = next((row[0]["topk_ids"].shape[-1] for row in samples if row), 0) if spec.kd else 0
-        slot = None
-        if (seq is not None and self.slots is not None and hidden_dtype == torch.bfloat16
-                and self.slots.fits((R, S, LH), hidden_dtype)):
-            slot = self.slots.acquire(seq)
-        b = dict(
-            ctx_hidden=(self.slots.view(slot, (R, S, LH), hidden_dtype) if slot is not None
-                        else _batch_tensor((R, S, LH), hidden_dtype)),
-            ctx_positions=torch.zeros(R, S, dtype=torch.long),
-            block_input_ids=torch.full((R, Q), spec.mask_token_id, dtype=torch.long),
-            block_positions=torch.zeros(R, Q, dtype=torch.long),
-            labels=torch.full((R, Q), IGNORE, dtype=torch.long),
-            loss_weight=torch.zeros(R, Q, dtype=torch.float32),
-            block_pos_in_block=torch.zeros(R, Q, dtype=torch.long),
-        )
-        if spec.kd:
-            b["topk_ids"] = torch.zeros(R, Q, K, dtype=torch.long)
-            b["topk_logprobs"] = torch.zeros(R, Q, K, dtype=torch.float32)
-        metas = []
-        for r in range(R):
-            row = samples[r] if r < len(samples) else []  # the last micro-batch may have fewer rows
-            c0, q0 = 0, 0
-            starts, lens, block_sample, block_anchor = [], [], [], []
-            for s in row:
-                T, n = s["T"], len(s["labels"])
-                if s["hidden"] is None:
-                    try:
-                        self.store.read_hidden_into(s["sid"], b["ctx_hidden"][r, c0 : c0 + T])
-                    except DamagedSampleError as e:
-                        self._skip(e)
-                        s["skipped"] = True
-                        damaged += 1
-                        continue
-                else:
-                    b["ctx_hidden"][r, c0 : c0 + T] = s["hidden"]
-                b["ctx_positions"][r, c0 : c0 + T] = torch.arange(T)
-                b["block_input_ids"][r, q0 : q0 + n] = torch.from_numpy(s["input_ids"])
-                b["block_positions"][r, q0 : q0 + n] = torch.from_numpy(s["positions"])
-                b["labels"][r, q0 : q0 + n] = torch.from_numpy(s["labels"])
-                b["loss_weight"][r, q0 : q0 + n] = torch.from_numpy(s["weights"].astype(np.float32))
-                b["block_pos_in_block"][r, q0 : q0 + n] = torch.from_numpy(s["pos_in_block"])
-                if spec.kd:
-                    b["topk_ids"][r, q0 : q0 + n] = s["topk_ids"].long()
-                    b["topk_logprobs"][r, q0 : q0 + n] = s["topk_logprobs"].float()
-                block_sample += [len(starts)] * len(s["anchors"])
-                starts.append(c0)
-                lens.append(T)
-                block_anchor += s["anchors"].tolist()
-                c0 += T
-                q0 += n
-            b["ctx_hidden"][r, c0:] = 0  # padding: masked out, but a NaN bit pattern would leak through P @ V
-            metas.append(masks.mask_metadata(starts, lens, block_sample, block_anchor, B, S, Q,
-                                             sliding_window=spec.sliding_window))
-        b["mask"] = masks.stack_metadata(metas)
-        # made here, on the CPU, so the loss needs no nonzero() (a device-to-host sync) in the step
-        b["label_index"] = (b["labels"].reshape(-1) != IGNORE).nonzero().squeeze(1)
-        b["loss_weight_sum"] = float(b["loss_weight"].double().sum())  # the step's loss denominator, host-side
-        flat = [s for row in samples for s in row if not s.get("skipped")]
-        b["sample_ids"] = torch.tensor([s["sid"] for s in flat], dtype=torch.long)
-        b["num_samples"] = len(flat)
-        b["num_damaged"] = damaged
-        b["num_ctx_tokens"] = sum(s["T"] for s in flat)
-        b["num_block_tokens"] = sum(len(s["labels"]) for s in flat)
-        b["epoch"], b["index"] = epoch, g
-        if seq is not None:  # the training process releases every seq in order, slot or not
-            b["seq"], b["slot"] = seq, slot
-            if slot is not None:  # the features stay in the slot; only its number and shape cross over
-                b["ctx_shape"] = tuple(b.pop("ctx_hidden").shape)
-        return b
+        return S, Q, LH, hidden_dtype, K
 
 
 def _batch_tensor(shape, dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dflash.config import TrainConfig
 from dflash.drafter import attention
 from dflash.train import parallel
+from dflash.train.batch import MicroBatch
 from dflash.train.loss import block_loss, chunk_kernel
 
 HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
@@ -163,7 +164,7 @@ class TrainStep:
         The step's loss is the weighted mean over every label of every process's micro-batches; the
         weight sums come from the workers as host floats, so no sync is needed to know them."""
         cfg, device = self.cfg, self.device
-        denom = sum(b["loss_weight_sum"] for b, _ in items)
+        denom = sum(b.loss_weight_sum for b, _ in items)
         if self.world > 1:
             denom = on_device(torch.tensor(denom, dtype=torch.float64), device)
             dist.all_reduce(denom)
@@ -173,7 +174,7 @@ class TrainStep:
         new_shape = False
         for i, item in enumerate(items):
             m = feeder.ready(item)
-            shape = tuple(m["labels"].shape) + (m["ctx_positions"].shape[1],)
+            shape = m.shape
             if shape not in self.shapes_seen:
                 new_shape = True
                 self.shapes_seen.add(shape)
@@ -185,12 +186,12 @@ class TrainStep:
             with sync:
                 # micro_batch: this micro-batch's own mean / the step's micro-batches (DDP averages processes)
                 out = self.forward_backward(m, denom / self.world if cfg.loss_norm == "step"
-                                            else max(item[0]["loss_weight_sum"], 1e-12) * len(items))
+                                            else max(item[0].loss_weight_sum, 1e-12) * len(items))
             if i == 0 and prefetch:
                 # The next step's host-to-device copies overlap this step's compute.
                 feeder.prefetch()
-            counts = on_device(torch.tensor([m["num_ctx_tokens"], m["num_block_tokens"], m["num_samples"],
-                                             m.get("num_damaged", 0)], dtype=torch.float64), device)
+            counts = on_device(torch.tensor([m.num_ctx_tokens, m.num_block_tokens, m.num_samples, m.num_damaged],
+                                            dtype=torch.float64), device)
             StepStats.add(stats, out, counts)
         t_opt = time.perf_counter()
         grad_norm = clip(self.raw, self.optimizer, cfg, self.world)
@@ -201,17 +202,17 @@ class TrainStep:
             dist.all_reduce(stats)
         return torch.cat([stats, grad_norm.detach().double().reshape(1)]), new_shape
 
-    def forward_backward(self, m: dict, denom):
+    def forward_backward(self, m: MicroBatch, denom):
         """Drafter forward on one micro-batch, chunked lm_head loss, backward; returns the LossOutput.
 
         `denom` is the step's global weight sum divided by the number of processes, which DDP / FSDP then
         average over: the gradient of the global weighted mean."""
         clock = self.host
         t0 = time.perf_counter()
-        block_mask = attention.mask_for(m["mask"], m["ctx_hidden"].device, compiled=self.compiled)
+        block_mask = attention.mask_for(m.mask, m.ctx_hidden.device, compiled=self.compiled)
         with self.autocast:
-            block_embeds = torch.nn.functional.embedding(m["block_input_ids"], self.embed)
-            hidden = self.model(m["ctx_hidden"], block_embeds, m["ctx_positions"], m["block_positions"], block_mask)
+            block_embeds = torch.nn.functional.embedding(m.block_input_ids, self.embed)
+            hidden = self.model(m.ctx_hidden, block_embeds, m.ctx_positions, m.block_positions, block_mask)
         t1 = time.perf_counter()
         out = self.loss(m, hidden, denom)
         t2 = time.perf_counter()
@@ -221,26 +222,26 @@ class TrainStep:
         clock["bwd"] += time.perf_counter() - t2
         return out
 
-    def loss(self, m: dict, hidden: torch.Tensor, denom):
+    def loss(self, m: MicroBatch, hidden: torch.Tensor, denom):
         """block_loss with the run's objective: the loader's decay weights or D-PACE's (--loss), plus the
         selector's term for a DFlash2 drafter (dflash.train.objectives, docs/DESIGN.md §11)."""
         from dflash.train import objectives as obj
 
-        cfg, labels, weight = self.cfg, m["labels"], m["loss_weight"]
+        cfg, labels, weight = self.cfg, m.labels, m.loss_weight
         dflash2 = self.raw.selects_candidates
         pre = sel = None
         if cfg.loss == "dpace" or dflash2:
-            sel = obj.labelled(labels, m.get("label_index"))
+            sel = obj.labelled(labels, m.label_index)
             pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.lm_head_chunk, self.raw if dflash2 else None,
                                    ce=cfg.loss == "dpace")
         if cfg.loss == "dpace":
             weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.block_size, cfg.dpace_alpha)
         out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
-                         topk_ids=m.get("topk_ids"), topk_logprobs=m.get("topk_logprobs"), kd_weight=cfg.kd_weight,
+                         topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, kd_weight=cfg.kd_weight,
                          kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
-                         label_index=m.get("label_index"), kernel=self.loss_kernel)
+                         label_index=m.label_index, kernel=self.loss_kernel)
         if dflash2:
-            out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m["block_input_ids"], weight, sel,
+            out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m.block_input_ids, weight, sel,
                                         block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)
         return out
 

@@ -188,8 +188,8 @@ def test_batch_anchors_are_the_samples_own_draw_whatever_the_packing():
             for rows, b in built(ds, epoch):
                 for r, items in enumerate(row_layout(ds, rows)):
                     for j, (sid, _c0, _T) in enumerate(items):
-                        sel = b["mask"]["q_sample"][r] == j
-                        anchors = sorted(set(b["mask"]["q_anchor"][r][sel].tolist()))
+                        sel = b.mask["q_sample"][r] == j
+                        anchors = sorted(set(b.mask["q_anchor"][r][sel].tolist()))
                         assert sid not in got
                         got[sid] = anchors
             for sid, s in SAMPLES.items():
@@ -201,7 +201,7 @@ def test_batch_anchors_are_the_samples_own_draw_whatever_the_packing():
         ds = dataset(rows_per_batch=1)
         for idx, sid in enumerate(ds.sample_ids.tolist()):
             b = ds.build(epoch, [np.array([idx])])
-            assert b["block_positions"][0, : len(seen[0][sid]) * B : B].tolist() == seen[0][sid]
+            assert b.block_positions[0, : len(seen[0][sid]) * B : B].tolist() == seen[0][sid]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def test_every_block_slot_follows_the_definition(block_size, gamma):
     w = np.array([0.0] + [math.exp(-(k - 1) / (gamma or default_gamma(block_size))) for k in range(1, block_size)])
     n_labels = 0
     for rows, b in built(ds):
-        Q = b["labels"].shape[1]
+        Q = b.labels.shape[1]
         for r, items in enumerate(row_layout(ds, rows)):
             q = 0
             for _j, (sid, _c0, _T) in enumerate(items):
@@ -232,18 +232,18 @@ def test_every_block_slot_follows_the_definition(block_size, gamma):
                 for a in L.draw_anchors(s["loss_mask"], 4, ds.spec.seed, 0, sid).tolist():
                     for k in range(block_size):
                         inp, lab, wt, pos = expected_slot(s, a, k, w)
-                        assert int(b["block_input_ids"][r, q]) == inp
-                        assert int(b["labels"][r, q]) == lab, (sid, a, k)
-                        assert float(b["loss_weight"][r, q]) == pytest.approx(wt, rel=1e-6)
-                        assert int(b["block_positions"][r, q]) == pos  # anchor + k, own coordinates
-                        assert int(b["block_pos_in_block"][r, q]) == k
+                        assert int(b.block_input_ids[r, q]) == inp
+                        assert int(b.labels[r, q]) == lab, (sid, a, k)
+                        assert float(b.loss_weight[r, q]) == pytest.approx(wt, rel=1e-6)
+                        assert int(b.block_positions[r, q]) == pos  # anchor + k, own coordinates
+                        assert int(b.block_pos_in_block[r, q]) == k
                         n_labels += lab != IGNORE
                         q += 1
             # padding slots: nothing to learn, no weight
-            assert (b["labels"][r, q:] == IGNORE).all() and (b["loss_weight"][r, q:] == 0).all()
+            assert (b.labels[r, q:] == IGNORE).all() and (b.loss_weight[r, q:] == 0).all()
             assert q <= Q
-        assert b["loss_weight_sum"] == pytest.approx(float(b["loss_weight"].double().sum()))
-        assert torch.equal(b["label_index"], (b["labels"].reshape(-1) != IGNORE).nonzero().squeeze(1))
+        assert b.loss_weight_sum == pytest.approx(float(b.loss_weight.double().sum()))
+        assert torch.equal(b.label_index, (b.labels.reshape(-1) != IGNORE).nonzero().squeeze(1))
     assert n_labels > 50
 
 
@@ -251,20 +251,20 @@ def test_anchor_position_is_never_labelled_and_labels_are_real_tokens():
     """k = 0 carries the anchor's own token as input and no label; a label is the token at a + k."""
     ds = dataset(num_anchors=50, token_budget=512, block_budget=512)
     for rows, b in built(ds):
-        k = b["block_pos_in_block"]
-        assert (b["labels"][k == 0] == IGNORE).all() and (b["loss_weight"][k == 0] == 0).all()
-        assert (b["block_input_ids"][k > 0] == MASK_ID).all()  # no later token leaks into the block
+        k = b.block_pos_in_block
+        assert (b.labels[k == 0] == IGNORE).all() and (b.loss_weight[k == 0] == 0).all()
+        assert (b.block_input_ids[k > 0] == MASK_ID).all()  # no later token leaks into the block
         for r, items in enumerate(row_layout(ds, rows)):
             for j, (sid, _c0, T) in enumerate(items):
                 s = ds.store.samples[sid]
-                sel = (b["mask"]["q_sample"][r] == j).numpy()
-                pos = b["block_positions"][r].numpy()[sel]
-                lab = b["labels"][r].numpy()[sel]
+                sel = (b.mask["q_sample"][r] == j).numpy()
+                pos = b.block_positions[r].numpy()[sel]
+                lab = b.labels[r].numpy()[sel]
                 ok = lab != IGNORE
                 assert (pos[ok] < T).all() and s["loss_mask"][pos[ok]].all()
                 assert np.array_equal(lab[ok], s["input_ids"][pos[ok]])
                 # and every supervised in-sample position k >= 1 of a block is labelled
-                kk = b["block_pos_in_block"][r].numpy()[sel]
+                kk = b.block_pos_in_block[r].numpy()[sel]
                 should = (kk >= 1) & (pos < T) & s["loss_mask"][np.minimum(pos, T - 1)]
                 assert np.array_equal(ok, should)
 
@@ -286,18 +286,18 @@ def test_context_positions_restart_for_every_packed_sample():
     ds = dataset(rows_per_batch=2, token_budget=256, block_budget=256)
     multi = 0
     for rows, b in built(ds):
-        S = b["ctx_positions"].shape[1]
+        S = b.ctx_positions.shape[1]
         for r, items in enumerate(row_layout(ds, rows)):
             multi += len(items) > 1
             end = 0
             for j, (sid, c0, T) in enumerate(items):
                 s = ds.store.samples[sid]
-                assert b["ctx_positions"][r, c0 : c0 + T].tolist() == list(range(T))
-                assert b["mask"]["kv_pos"][r, c0 : c0 + T].tolist() == list(range(T))
-                assert (b["mask"]["kv_sample"][r, c0 : c0 + T] == j).all()
-                assert torch.equal(b["ctx_hidden"][r, c0 : c0 + T], torch.from_numpy(s["hidden"]))
+                assert b.ctx_positions[r, c0 : c0 + T].tolist() == list(range(T))
+                assert b.mask["kv_pos"][r, c0 : c0 + T].tolist() == list(range(T))
+                assert (b.mask["kv_sample"][r, c0 : c0 + T] == j).all()
+                assert torch.equal(b.ctx_hidden[r, c0 : c0 + T], torch.from_numpy(s["hidden"]))
                 end = c0 + T
-            assert (b["ctx_hidden"][r, end:S] == 0).all() and (b["mask"]["kv_sample"][r, end:S] == -1).all()
+            assert (b.ctx_hidden[r, end:S] == 0).all() and (b.mask["kv_sample"][r, end:S] == -1).all()
     assert multi >= 3  # several samples did share rows
 
 
@@ -327,10 +327,10 @@ def test_packed_batch_masks_match_the_definition():
         ds = dataset(**kw)
         Bs = ds.spec.block_size
         for rows, b in built(ds)[:3]:
-            R, S = b["ctx_positions"].shape
-            Q = b["labels"].shape[1]
-            dense = masks.to_dense_mask(b["mask"])[:, 0]
-            flex = masks.block_mask_to_dense(masks.to_block_mask(b["mask"]))[:, 0]  # what the GPU applies
+            R, S = b.ctx_positions.shape
+            Q = b.labels.shape[1]
+            dense = masks.to_dense_mask(b.mask)[:, 0]
+            flex = masks.block_mask_to_dense(masks.to_block_mask(b.mask))[:, 0]  # what the GPU applies
             for r, items in enumerate(row_layout(ds, rows)):
                 blocks = [(j, a) for j, (sid, c0, T) in enumerate(items)
                           for a in L.draw_anchors(ds.store.samples[sid]["loss_mask"], ds.spec.max_blocks,
@@ -386,8 +386,8 @@ def tiny_drafter(Bs=B, seed=0):
 
 
 def forward(model, embed, b):
-    emb = torch.nn.functional.embedding(b["block_input_ids"], embed)
-    return model(b["ctx_hidden"], emb, b["ctx_positions"], b["block_positions"], masks.to_dense_mask(b["mask"]))
+    emb = torch.nn.functional.embedding(b.block_input_ids, embed)
+    return model(b.ctx_hidden, emb, b.ctx_positions, b.block_positions, masks.to_dense_mask(b.mask))
 
 
 def contributions(ds, model, embed, head, epoch=0, batches=None):
@@ -397,20 +397,20 @@ def contributions(ds, model, embed, head, epoch=0, batches=None):
     per = {}
     for rows, b in batches if batches is not None else built(ds, epoch):
         hidden = forward(model, embed, b)
-        out = block_loss(hidden, head, b["labels"], b["loss_weight"], block_size=ds.spec.block_size, denom=1.0,
-                         label_index=b["label_index"], chunk=37)
+        out = block_loss(hidden, head, b.labels, b.loss_weight, block_size=ds.spec.block_size, denom=1.0,
+                         label_index=b.label_index, chunk=37)
         out.loss.backward()
         with torch.no_grad():
             logits = hidden @ head.t()
-            ce = torch.logsumexp(logits, -1) - logits.gather(-1, b["labels"].clamp_min(0)[..., None])[..., 0]
+            ce = torch.logsumexp(logits, -1) - logits.gather(-1, b.labels.clamp_min(0)[..., None])[..., 0]
         for r, items in enumerate(row_layout(ds, rows)):
             for j, (sid, _c0, _T) in enumerate(items):
-                for q in torch.nonzero(b["mask"]["q_sample"][r] == j).flatten().tolist():
-                    a, k = int(b["mask"]["q_anchor"][r, q]), int(b["block_pos_in_block"][r, q])
-                    lab, wt = int(b["labels"][r, q]), float(b["loss_weight"][r, q])
+                for q in torch.nonzero(b.mask["q_sample"][r] == j).flatten().tolist():
+                    a, k = int(b.mask["q_anchor"][r, q]), int(b.block_pos_in_block[r, q])
+                    lab, wt = int(b.labels[r, q]), float(b.loss_weight[r, q])
                     key = (sid, a, k)
                     assert key not in per  # each (sample, anchor) block once per epoch
-                    per[key] = (lab, wt, int(b["block_positions"][r, q]), hidden[r, q].detach().clone(),
+                    per[key] = (lab, wt, int(b.block_positions[r, q]), hidden[r, q].detach().clone(),
                                 wt * float(ce[r, q]) if lab != IGNORE else 0.0)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return per, grads
@@ -452,7 +452,7 @@ def test_contribution_does_not_depend_on_packing(Bs):
     for kw in PACKINGS:
         ds = dataset(**kw, block_size=Bs)
         bs = built(ds)
-        shapes |= {tuple(b["labels"].shape) + (b["ctx_positions"].shape[1],) for _, b in bs}
+        shapes |= {tuple(b.labels.shape) + (b.ctx_positions.shape[1],) for _, b in bs}
         shared += sum(len(row) > 1 for rows, _ in bs for row in rows)
         assert_same_contributions(ref, contributions(ds, model, embed, head, batches=bs))
     assert len(shapes) >= 4 and shared >= 4  # the packings really differ in shapes and row-mates
@@ -481,14 +481,14 @@ def test_truncation_is_the_exception_a_long_sample_is_cut_to_the_row():
     ds = dataset({5: s}, token_budget=128, num_anchors=200, block_budget=1024, rows_per_batch=1)
     b = ds.build(0, ds.plan(0).batches[0][:1])
     S = ds.spec.s_shapes[-1]
-    real = b["mask"]["q_sample"][0] >= 0  # padding slots at the end of the block stream are not blocks
-    anchors = b["block_positions"][0, real & (b["block_pos_in_block"][0] == 0)]
+    real = b.mask["q_sample"][0] >= 0  # padding slots at the end of the block stream are not blocks
+    anchors = b.block_positions[0, real & (b.block_pos_in_block[0] == 0)]
     n = len(anchors)
     assert n == S - 1 and anchors.max() == S - 2  # every eligible position of the cut sample
-    pos, lab = b["block_positions"][0, : n * B], b["labels"][0, : n * B]
-    assert (lab[pos >= S] == IGNORE).all() and (lab[(pos < S) & (b["block_pos_in_block"][0, : n * B] > 0)] != IGNORE).all()
+    pos, lab = b.block_positions[0, : n * B], b.labels[0, : n * B]
+    assert (lab[pos >= S] == IGNORE).all() and (lab[(pos < S) & (b.block_pos_in_block[0, : n * B] > 0)] != IGNORE).all()
     full = dataset({5: s}, token_budget=512, num_anchors=200, block_budget=1024, rows_per_batch=1)
-    assert len(full.build(0, full.plan(0).batches[0][:1])["block_positions"][0].unique()) > S
+    assert len(full.build(0, full.plan(0).batches[0][:1]).block_positions[0].unique()) > S
 
 
 def test_block_budget_caps_blocks_per_sample_not_per_row():
@@ -506,7 +506,7 @@ def test_block_budget_caps_blocks_per_sample_not_per_row():
             for rows, b in built(ds):
                 for r, items in enumerate(row_layout(ds, rows)):
                     for j, (sid, _c0, _T) in enumerate(items):
-                        got[sid] = sorted(set(b["mask"]["q_anchor"][r][b["mask"]["q_sample"][r] == j].tolist()))
+                        got[sid] = sorted(set(b.mask["q_anchor"][r][b.mask["q_sample"][r] == j].tolist()))
             for sid, s in samples.items():
                 n_elig = len(brute_eligible(s["loss_mask"]))
                 assert len(got[sid]) == min(n_elig, n_anchors, L.round_up(budget) // Bs)
@@ -529,8 +529,8 @@ def test_step_gradient_equals_one_big_batch():
     assert len(ds.plan(0)) >= W * A
     step = ds.plan(0).batches[: W * A]
     micro = [ds.build(0, rows, g) for g, rows in enumerate(step)]
-    denom = sum(b["loss_weight_sum"] for b in micro)  # what the trainer all-reduces
-    sums = [b["loss_weight_sum"] for b in micro]
+    denom = sum(b.loss_weight_sum for b in micro)  # what the trainer all-reduces
+    sums = [b.loss_weight_sum for b in micro]
     assert max(sums) > 1.3 * min(sums)  # the micro-batches differ in weight: normalisation matters
 
     def grads_of(loss_fn):
@@ -544,21 +544,21 @@ def test_step_gradient_equals_one_big_batch():
             model.zero_grad(set_to_none=True)
             for a in range(A):
                 b = micro[a * W + w]  # RankSampler: micro-batch g + a * W + rank
-                out = block_loss(forward(model, embed, b), head, b["labels"], b["loss_weight"], block_size=B,
-                                 denom=denom / W, label_index=b["label_index"], chunk=29)
+                out = block_loss(forward(model, embed, b), head, b.labels, b.loss_weight, block_size=B,
+                                 denom=denom / W, label_index=b.label_index, chunk=29)
                 out.loss.backward()
-                assert float(out.weight_sum) == pytest.approx(b["loss_weight_sum"], rel=1e-6)
+                assert float(out.weight_sum) == pytest.approx(b.loss_weight_sum, rel=1e-6)
             per_rank.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
         return torch.stack(per_rank).mean(0)  # DDP's average
 
     g_step = per_process()
     big_ds = dataset(rows_per_batch=W * A, token_budget=128)
     big = big_ds.build(0, [r for rows in step for r in rows])
-    assert big["loss_weight_sum"] == pytest.approx(denom)
-    g_big = grads_of(lambda: block_loss(forward(model, embed, big), head, big["labels"], big["loss_weight"],
-                                        block_size=B, denom=big["loss_weight_sum"]).loss.backward())
-    g_ref = grads_of(lambda: reference_block_loss(forward(model, embed, big), head, big["labels"],
-                                                  big["loss_weight"], big["loss_weight_sum"]).backward())
+    assert big.loss_weight_sum == pytest.approx(denom)
+    g_big = grads_of(lambda: block_loss(forward(model, embed, big), head, big.labels, big.loss_weight,
+                                        block_size=B, denom=big.loss_weight_sum).loss.backward())
+    g_ref = grads_of(lambda: reference_block_loss(forward(model, embed, big), head, big.labels,
+                                                  big.loss_weight, big.loss_weight_sum).backward())
     torch.testing.assert_close(g_step, g_big, rtol=1e-6, atol=1e-10)
     # the reference takes its softmax in float64, block_loss in float32
     torch.testing.assert_close(g_big, g_ref, rtol=1e-3, atol=1e-6)
@@ -566,19 +566,19 @@ def test_step_gradient_equals_one_big_batch():
     with torch.no_grad():
         hb = forward(model, embed, big)
         logits = hb @ head.t()
-        y = big["labels"]
+        y = big.labels
         ce = torch.logsumexp(logits, -1) - logits.gather(-1, y.clamp_min(0)[..., None])[..., 0]
-        w = big["loss_weight"].double()
+        w = big.loss_weight.double()
         mean = float((w * ce * (y != IGNORE)).sum() / w.sum())
-        out = block_loss(hb, head, y, big["loss_weight"], block_size=B, denom=big["loss_weight_sum"])
+        out = block_loss(hb, head, y, big.loss_weight, block_size=B, denom=big.loss_weight_sum)
     assert float(out.loss) == pytest.approx(mean, rel=1e-6)  # float32 softmax
 
     # per-micro-batch normalisation (each micro-batch its own mean, then averaged) is another objective:
     # it weights a label by 1 / (its micro-batch's weight sum); only the global denominator is invariant
     model.zero_grad(set_to_none=True)
     for b in micro:
-        block_loss(forward(model, embed, b), head, b["labels"], b["loss_weight"], block_size=B,
-                   denom=b["loss_weight_sum"] * len(micro)).loss.backward()
+        block_loss(forward(model, embed, b), head, b.labels, b.loss_weight, block_size=B,
+                   denom=b.loss_weight_sum * len(micro)).loss.backward()
     g_local = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert not torch.allclose(g_local, g_big, rtol=1e-3)
 

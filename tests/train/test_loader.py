@@ -170,30 +170,30 @@ def test_batches_from_a_real_store(store):
     plan = ds.plan(0)
     assert len(plan) >= 2
     b = ds[(0, 0)]
-    R, S = b["ctx_positions"].shape
-    Q = b["labels"].shape[1]
+    R, S = b.ctx_positions.shape
+    Q = b.labels.shape[1]
     assert S in spec.s_shapes and Q in spec.q_shapes and R == spec.rows_per_batch
-    assert b["ctx_hidden"].dtype == torch.bfloat16 and b["ctx_hidden"].shape[-1] == store.hidden_size * 2
+    assert b.ctx_hidden.dtype == torch.bfloat16 and b.ctx_hidden.shape[-1] == store.hidden_size * 2
     # labels are the sample's own tokens at anchor + k, and the first block token is the anchor's token
-    sid = int(b["sample_ids"][0])
+    sid = int(b.sample_ids[0])
     d = store.read(sid)
-    row0 = b["labels"][0]
-    anchors = b["block_positions"][0, :: spec.block_size]
+    row0 = b.labels[0]
+    anchors = b.block_positions[0, :: spec.block_size]
     a0 = int(anchors[0])
-    assert int(b["block_input_ids"][0, 0]) == int(d["input_ids"][a0])
-    assert (b["block_input_ids"][0, 1 : spec.block_size] == 7).all()
+    assert int(b.block_input_ids[0, 0]) == int(d["input_ids"][a0])
+    assert (b.block_input_ids[0, 1 : spec.block_size] == 7).all()
     for k in range(1, spec.block_size):
         if int(row0[k]) != IGNORE:
             assert int(row0[k]) == int(d["input_ids"][a0 + k]) and bool(d["loss_mask"][a0 + k])
             # KD targets: the target's top-k at the previous position
-            assert torch.equal(b["topk_ids"][0, k], d["topk_ids"][a0 + k - 1])
+            assert torch.equal(b.topk_ids[0, k], d["topk_ids"][a0 + k - 1])
     # mask metadata: what flex would apply equals the rule on the descriptors
-    bm = masks.to_block_mask(b["mask"])
-    assert torch.equal(masks.block_mask_to_dense(bm)[:, 0], masks.dense_mask(b["mask"]))
+    bm = masks.to_block_mask(b.mask)
+    assert torch.equal(masks.block_mask_to_dense(bm)[:, 0], masks.dense_mask(b.mask))
     # context of the first sample sits at the start of row 0 with positions 0..T-1
     T = min(len(d["input_ids"]), S)
-    assert b["ctx_positions"][0, :T].tolist() == list(range(T))
-    assert torch.equal(b["ctx_hidden"][0, :T], d["hidden"][:T])
+    assert b.ctx_positions[0, :T].tolist() == list(range(T))
+    assert torch.equal(b.ctx_hidden[0, :T], d["hidden"][:T])
 
 
 def test_workers_build_batches(store):
@@ -202,10 +202,10 @@ def test_workers_build_batches(store):
     ds = L.PackedDataset(store, spec)
     sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
     got = list(L.make_loader(ds, sampler, num_workers=1))
-    assert [(x["epoch"], x["index"]) for x in got] == [(0, 0), (0, 1)]
+    assert [(x.epoch, x.index) for x in got] == [(0, 0), (0, 1)]
     for x in got:
-        ref = ds[(x["epoch"], x["index"])]
-        assert torch.equal(x["labels"], ref["labels"]) and torch.equal(x["mask"]["kv_indices"], ref["mask"]["kv_indices"])
+        ref = ds[(x.epoch, x.index)]
+        assert torch.equal(x.labels, ref.labels) and torch.equal(x.mask["kv_indices"], ref.mask["kv_indices"])
 
 
 def test_store_too_small_for_one_step():
@@ -223,19 +223,19 @@ def test_hidden_read_straight_into_batches(store):
     for g in range(len(ds.plan(0))):
         b = ds[(0, g)]
         c0, r = 0, 0
-        for sid in b["sample_ids"].tolist():
+        for sid in b.sample_ids.tolist():
             h = store.read(sid)["hidden"]
             T = min(len(h), spec.s_shapes[-1])
-            if c0 + T > b["ctx_hidden"].shape[1]:  # next row
-                assert (b["ctx_hidden"][r, c0:] == 0).all()
+            if c0 + T > b.ctx_hidden.shape[1]:  # next row
+                assert (b.ctx_hidden[r, c0:] == 0).all()
                 r, c0 = r + 1, 0
-            assert torch.equal(b["ctx_hidden"][r, c0 : c0 + T], h[:T]), (g, sid)
+            assert torch.equal(b.ctx_hidden[r, c0 : c0 + T], h[:T]), (g, sid)
             c0 += T
-        assert (b["ctx_hidden"][r, c0:] == 0).all()
+        assert (b.ctx_hidden[r, c0:] == 0).all()
     sampler = L.RankSampler(ds, 0, 1, 1, 0, 0, 2)
     for x in L.make_loader(ds, sampler, num_workers=1):
-        assert x["ctx_hidden"].is_shared()
-        assert torch.equal(x["ctx_hidden"], ds[(x["epoch"], x["index"])]["ctx_hidden"])
+        assert x.ctx_hidden.is_shared()
+        assert torch.equal(x.ctx_hidden, ds[(x.epoch, x.index)].ctx_hidden)
 
 
 def test_batch_slots_carry_context_features(store):
@@ -252,8 +252,8 @@ def test_batch_slots_carry_context_features(store):
     steps = 3 * len(ds.plan(0))  # three epochs
     direct = BatchSlots(steps + 1, L.batch_bytes(spec, width))  # enough slots that nothing waits
     raw = list(L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=direct))
-    assert [x["seq"] for x in raw] == list(range(steps))
-    assert all(x["slot"] == x["seq"] and "ctx_hidden" not in x for x in raw)
+    assert [x.seq for x in raw] == list(range(steps))
+    assert all(x.slot == x.seq and x.ctx_hidden is None for x in raw)
 
     slots = BatchSlots(2, L.batch_bytes(spec, width))
     loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=slots)
@@ -265,13 +265,49 @@ def test_batch_slots_carry_context_features(store):
         except StopIteration:
             break
         b = feeder.ready(item)
-        ref = ds[(b["epoch"], b["index"])]
-        assert "slot" not in b and "seq" not in b
-        assert torch.equal(b["ctx_hidden"], ref["ctx_hidden"]) and torch.equal(b["labels"], ref["labels"])
+        ref = ds[(b.epoch, b.index)]
+        assert b.slot is None and b.seq is None
+        assert torch.equal(b.ctx_hidden, ref.ctx_hidden) and torch.equal(b.labels, ref.labels)
         seen += 1
     assert seen == steps
     # each slot's counter names the first micro-batch that may use it next: the last user + 2
     assert slots.next_seq.tolist() == [max(q for q in range(steps) if q % 2 == s) + 2 for s in range(2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_slots", [False, True])
+def test_feeder_brings_pinned_micro_batches_to_the_gpu(store, with_slots):
+    """On a GPU the loader pins each MicroBatch (or its features sit in page-locked slots) and the feeder
+    copies it on its side stream: every tensor, the mask's included, arrives on the device unchanged."""
+    from dflash.train.batch_slots import BatchSlots
+    from dflash.train.feeder import DeviceFeeder
+
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4)
+    ds = L.PackedDataset(store, spec)
+    steps, dev = 2 * len(ds.plan(0)), torch.device("cuda")
+    slots = BatchSlots(3, L.batch_bytes(spec, store.hidden_size * store.num_layers), pin=True) if with_slots else None
+    loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=1, pin_memory=True, slots=slots)
+    feeder = DeviceFeeder(loader, dev, per_step=1, slots=slots)
+    seen = 0
+    try:
+        while True:
+            try:
+                (item,) = feeder.take()
+            except StopIteration:
+                break
+            b = feeder.ready(item)
+            assert all(t.device.type == "cuda" for t in b.tensors()) and b.ctx_hidden is not None
+            ref = ds[(b.epoch, b.index)].to(dev)
+            for name in ("ctx_hidden", "ctx_positions", "labels", "loss_weight", "label_index", "sample_ids"):
+                assert torch.equal(getattr(b, name), getattr(ref, name)), name
+            assert all(torch.equal(b.mask[k], ref.mask[k]) for k in ref.mask)
+            assert b.loss_weight_sum == ref.loss_weight_sum and b.slot is None and b.seq is None
+            seen += 1
+    finally:
+        feeder.close()
+        if slots is not None:
+            slots.close()
+    assert seen == steps
 
 
 def test_feeder_releases_slots_in_order():

@@ -20,7 +20,7 @@ class _Feeder:
         pass
 
 
-def _step(loss_norm: str, micro: list[dict]):
+def _step(loss_norm: str, micro: list):
     cfg = TrainConfig(block_size=B, num_layers=2, compile="off", grad_clip=0.0, grad_accum=len(micro),
                       loss_norm=loss_norm, seed=3)
     dcfg = DrafterConfig(hidden_size=H, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -39,10 +39,9 @@ def _grads(ts) -> torch.Tensor:
 def test_loss_norm_gives_the_gradient_it_names(loss_norm):
     ds = dataset(rows_per_batch=1, token_budget=128)
     micro = [ds.build(0, rows, i) for i, rows in enumerate(ds.plan(0).batches[:3])]
-    sums = [b["loss_weight_sum"] for b in micro]
+    sums = [b.loss_weight_sum for b in micro]
     assert max(sums) > 1.3 * min(sums)  # the micro-batches differ in weight: normalisation matters
-    micro = [{k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in b.items()}
-             for b in micro]
+    micro = [b.map_tensors(lambda v: v.float() if v.is_floating_point() else v) for b in micro]
     ts = _step(loss_norm, micro)
     expected = {}
     for mode, denoms in (("step", [sum(sums)] * 3), ("micro_batch", [s * 3 for s in sums])):
@@ -62,7 +61,7 @@ def test_loss_norm_gives_the_gradient_it_names(loss_norm):
 def test_one_micro_batch_makes_both_the_same():
     ds = dataset(rows_per_batch=1, token_budget=128)
     b = ds.build(0, ds.plan(0).batches[0], 0)
-    b = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in b.items()}
+    b = b.map_tensors(lambda v: v.float() if v.is_floating_point() else v)
     out = []
     for mode in ("step", "micro_batch"):
         ts = _step(mode, [b])

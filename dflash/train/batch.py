@@ -1,0 +1,195 @@
+"""MicroBatch: one packed training micro-batch, and the Packer that builds it one sample at a time.
+
+A micro-batch is R packed rows.  Each row holds a few samples back to back: their context features
+(S positions) and their block streams (Q positions, `num_anchors` blocks of `block_size` per sample),
+with the closed-form mask metadata of `dflash.drafter.masks` that keeps the samples apart.  It is built
+in a DataLoader worker (dflash.train.loader) and pickled to the training process; its tensors travel in
+shared memory, as the DataLoader sends any tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.drafter import masks
+from dflash.train.loss import IGNORE
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of R rows, S context positions and Q block positions per row."""
+
+    ctx_positions: torch.Tensor
+    """[R, S] int64: each context token's position inside its own sample (0 at the sample's start; 0 on padding)."""
+    block_input_ids: torch.Tensor
+    """[R, Q] int64: the drafter's block inputs: the anchor token, then the mask token (also on padding)."""
+    block_positions: torch.Tensor
+    """[R, Q] int64: each block token's position in its sample's coordinates (anchor + k; 0 on padding)."""
+    labels: torch.Tensor
+    """[R, Q] int64: the token each block position predicts, IGNORE where unsupervised or padding."""
+    loss_weight: torch.Tensor
+    """[R, Q] float32: the loss weight of each label (the position decay), 0 where the label is IGNORE."""
+    block_pos_in_block: torch.Tensor
+    """[R, Q] int64: k, the offset of each block token from its block's anchor (0 on padding)."""
+    mask: dict[str, torch.Tensor]
+    """The rows' attention-mask metadata (masks.mask_metadata, stacked: each tensor [R, ...]), int32."""
+    label_index: torch.Tensor
+    """[L] int64: flat indices into labels.reshape(-1) of the labels that are not IGNORE, made on the host
+    so that the loss needs no nonzero() (a device-to-host sync)."""
+    loss_weight_sum: float
+    """loss_weight summed (in float64): the step's loss denominator, known without a sync."""
+    sample_ids: torch.Tensor
+    """[N] int64: the store ids of the samples packed, row by row."""
+    num_samples: int
+    """N, the samples packed (damaged ones skipped are not counted)."""
+    num_damaged: int
+    """Samples of this micro-batch skipped as damaged (--skip-damaged)."""
+    num_ctx_tokens: int
+    """Context tokens of the packed samples (padding not counted)."""
+    num_block_tokens: int
+    """Block tokens of the packed samples (padding not counted)."""
+    epoch: int
+    """The epoch whose plan this micro-batch is from."""
+    index: int
+    """Its position in that epoch's plan (-1 when built outside a plan)."""
+    ctx_hidden: torch.Tensor | None = None
+    """[R, S, L*H] bf16 (or the store's dtype): the target's context features, zero on padding; None while
+    they wait in batch slot `slot` (dflash.train.batch_slots), which the DeviceFeeder views."""
+    topk_ids: torch.Tensor | None = None
+    """[R, Q, K] int64: the target's top-K token ids at each label's source position (--kd), else None."""
+    topk_logprobs: torch.Tensor | None = None
+    """[R, Q, K] float32: their log-probabilities (--kd), else None."""
+    seq: int | None = None
+    """Its position in the loader's order when the loader numbers batches (batch slots), else None."""
+    slot: int | None = None
+    """The batch slot that holds ctx_hidden, or None when ctx_hidden is a tensor of its own."""
+    ctx_shape: tuple[int, ...] | None = None
+    """ctx_hidden's shape (R, S, L*H) while it is in a slot, else None."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(R, Q, S): what the compiled step specialises on."""
+        R, Q = self.labels.shape
+        return R, Q, self.ctx_positions.shape[1]
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """A copy with fn applied to every tensor, the mask's included; the other fields shared."""
+        changed = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                changed[f.name] = fn(v)
+            elif isinstance(v, dict):
+                changed[f.name] = {k: fn(t) for k, t in v.items()}
+        return dataclasses.replace(self, **changed)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> MicroBatch:
+        """Page-locked copies of the tensors: what DataLoader(pin_memory=True) calls on a batch of this type."""
+        return self.map_tensors(lambda t: t.pin_memory())
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, dict):
+                yield from v.values()
+
+
+class Packer:
+    """Builds one MicroBatch: `add` puts a sample at the end of the current row, `end_row` closes that
+    row (its padding and mask metadata), `finish` closes the rest and returns the batch.
+
+    A sample is the loader's per-sample dict (loader.PackedDataset._sample): sid, T, hidden (or None),
+    anchors and its block stream (input_ids, positions, labels, weights, pos_in_block; topk_* under kd).
+    `ctx_hidden` [R, S, L*H] is written in place (it may be a batch slot)."""
+
+    def __init__(self, ctx_hidden: torch.Tensor, Q: int, block_size: int, mask_token_id: int,
+                 sliding_window: int | None = None, topk: int | None = None):
+        R, S = ctx_hidden.shape[:2]
+        self.R, self.S, self.Q, self.block_size, self.sliding_window = R, S, Q, block_size, sliding_window
+        self.ctx_hidden = ctx_hidden
+        self.ctx_positions = torch.zeros(R, S, dtype=torch.long)
+        self.block_input_ids = torch.full((R, Q), mask_token_id, dtype=torch.long)
+        self.block_positions = torch.zeros(R, Q, dtype=torch.long)
+        self.labels = torch.full((R, Q), IGNORE, dtype=torch.long)
+        self.loss_weight = torch.zeros(R, Q, dtype=torch.float32)
+        self.block_pos_in_block = torch.zeros(R, Q, dtype=torch.long)
+        kd = topk is not None
+        self.topk_ids = torch.zeros(R, Q, topk, dtype=torch.long) if kd else None
+        self.topk_logprobs = torch.zeros(R, Q, topk, dtype=torch.float32) if kd else None
+        self.metas: list[dict[str, torch.Tensor]] = []
+        self.packed: list[dict] = []
+        self._open_row()
+
+    def _open_row(self) -> None:
+        self.c0 = self.q0 = 0
+        self.starts, self.lens, self.block_sample, self.block_anchor = [], [], [], []
+
+    def add(self, s: dict, read_hidden: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Append sample `s` to the current row.  Without s["hidden"], `read_hidden(dest)` writes its
+        features into the row; if that raises, the sample is not added (the next one takes its place)."""
+        r, c0, q0 = len(self.metas), self.c0, self.q0
+        T, n = s["T"], len(s["labels"])
+        if s["hidden"] is None:
+            read_hidden(self.ctx_hidden[r, c0 : c0 + T])
+        else:
+            self.ctx_hidden[r, c0 : c0 + T] = s["hidden"]
+        self.ctx_positions[r, c0 : c0 + T] = torch.arange(T)
+        self.block_input_ids[r, q0 : q0 + n] = torch.from_numpy(s["input_ids"])
+        self.block_positions[r, q0 : q0 + n] = torch.from_numpy(s["positions"])
+        self.labels[r, q0 : q0 + n] = torch.from_numpy(s["labels"])
+        self.loss_weight[r, q0 : q0 + n] = torch.from_numpy(s["weights"].astype(np.float32))
+        self.block_pos_in_block[r, q0 : q0 + n] = torch.from_numpy(s["pos_in_block"])
+        if self.topk_ids is not None:
+            self.topk_ids[r, q0 : q0 + n] = s["topk_ids"].long()
+            self.topk_logprobs[r, q0 : q0 + n] = s["topk_logprobs"].float()
+        self.block_sample += [len(self.starts)] * len(s["anchors"])
+        self.starts.append(c0)
+        self.lens.append(T)
+        self.block_anchor += s["anchors"].tolist()
+        self.c0, self.q0 = c0 + T, q0 + n
+        self.packed.append(s)
+
+    def end_row(self) -> None:
+        r = len(self.metas)
+        self.ctx_hidden[r, self.c0 :] = 0  # padding: masked out, but a NaN bit pattern would leak through P @ V
+        self.metas.append(masks.mask_metadata(self.starts, self.lens, self.block_sample, self.block_anchor,
+                                              self.block_size, self.S, self.Q, sliding_window=self.sliding_window))
+        self._open_row()
+
+    def finish(self, epoch: int, index: int, num_damaged: int) -> MicroBatch:
+        while len(self.metas) < self.R:  # the last micro-batch of a plan may have fewer rows
+            self.end_row()
+        return MicroBatch(
+            ctx_hidden=self.ctx_hidden,
+            ctx_positions=self.ctx_positions,
+            block_input_ids=self.block_input_ids,
+            block_positions=self.block_positions,
+            labels=self.labels,
+            loss_weight=self.loss_weight,
+            block_pos_in_block=self.block_pos_in_block,
+            topk_ids=self.topk_ids,
+            topk_logprobs=self.topk_logprobs,
+            mask=masks.stack_metadata(self.metas),
+            label_index=(self.labels.reshape(-1) != IGNORE).nonzero().squeeze(1),
+            loss_weight_sum=float(self.loss_weight.double().sum()),
+            sample_ids=torch.tensor([s["sid"] for s in self.packed], dtype=torch.long),
+            num_samples=len(self.packed),
+            num_damaged=num_damaged,
+            num_ctx_tokens=sum(s["T"] for s in self.packed),
+            num_block_tokens=sum(len(s["labels"]) for s in self.packed),
+            epoch=epoch,
+            index=index,
+        )
+
+
+__all__ = ["MicroBatch", "Packer"]
