@@ -352,13 +352,13 @@ def test_a_store_of_other_weights_is_refused(tmp_path, targets, monkeypatch):
 def test_a_failing_shard_fails_the_command(tmp_path, targets, monkeypatch):
     import shutil
 
-    import dflash.precompute.run as precompute_run
+    import dflash.precompute.badrows as badrows
     from helpers import QWEN3_TEMPLATE
 
     # a template that refuses one conversation deep in the data, past the rows rendered in full up front;
     # the launcher's row pre-pass (which would catch it before any shard) is switched off here, in this
     # process only, so that the spawned shard meets the row
-    monkeypatch.setattr(precompute_run, "check_renders", lambda *a, **k: True)
+    monkeypatch.setattr(badrows, "check_renders", lambda *a, **k: True)
     target = tmp_path / "boom-target"
     shutil.copytree(targets["qwen3"], target)
     boom = "{%- for m in messages %}{%- if m.content == 'BOOM' %}{{ raise_exception('BOOM') }}{%- endif %}{%- endfor %}"
