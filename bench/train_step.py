@@ -67,7 +67,7 @@ class Bench:
             self.cfg = with_arch(self.cfg, args.arch)
         cuda = torch.device(device).type == "cuda"
         self.compiled = args.compile == "on" or (args.compile == "auto" and cuda)
-        dt = torch.bfloat16 if cuda else torch.float32  # as preflight.Setup.embed_and_head
+        dt = torch.bfloat16 if cuda else torch.float32  # as resolved.ResolvedRun.embed_and_head
         g = torch.Generator(device=device).manual_seed(1)
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
         embed = (torch.randn(V, H, device=device, generator=g) * 0.02).to(dt)

@@ -5,9 +5,10 @@ runs), never as threads: torch.compile is not thread-safe.  Under an outside `to
 WORLD_SIZE and LOCAL_RANK set) nothing is spawned, this process just trains.  One device means no
 launcher at all: the training runs in this process.
 
-User errors are checked here first, before any process starts (a bad store or run directory should
-cost a message, not N stack traces); a DFlashError raised inside a training process is carried back
-to this process through a file and re-raised with its message.
+Preflight runs here, once, before any process starts (a bad store or run directory should cost a
+message, not N stack traces); each training process receives its `ResolvedRun` as an argument
+(dflash.train.resolved; under torchrun rank 0 resolves it and broadcasts it).  A DFlashError raised
+inside a training process is carried back to this process through a file and re-raised with its message.
 
 This process (the launcher, or rank 0 under torchrun) holds the run directory's lock (dflash/locks.py)
 for the whole run, taken before preflight: one trainer per --out.  The launcher's rendezvous is on
@@ -21,9 +22,13 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError, DFlashError
+
+if TYPE_CHECKING:
+    from dflash.train.resolved import ResolvedRun
 
 LOOPBACK = "127.0.0.1"
 
@@ -80,7 +85,7 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str, launcher_pid: int) -> None:
+def _worker(run: ResolvedRun, kind: str, ids: tuple[int, ...], error_dir: str, launcher_pid: int) -> None:
     """Entry point of one launched process (module level: it is pickled to spawned processes)."""
     from dflash.spawned import die_with_parent
     from dflash.train.trainer import run_training
@@ -88,9 +93,8 @@ def _worker(cfg_dict: dict, kind: str, ids: tuple[int, ...], error_dir: str, lau
     die_with_parent(launcher_pid)  # the launcher holds the run lock: no training without it
 
     local_rank = int(os.environ["LOCAL_RANK"])
-    cfg = TrainConfig(**{**cfg_dict, "betas": tuple(cfg_dict["betas"])})
     try:
-        run_training(cfg, device=_device_for(kind, ids, local_rank))
+        run_training(run, device=_device_for(kind, ids, local_rank))
     except DFlashError as e:
         Path(error_dir, f"rank{os.environ.get('RANK', local_rank)}.txt").write_text(str(e))
         raise
@@ -136,21 +140,9 @@ def run_lock(cfg: TrainConfig, holder: bool = True):
 
 
 def _launch(cfg: TrainConfig, devices: Devices) -> dict | None:
-    from dflash.train.preflight import MASK_SOURCE_ENV, preflight
+    from dflash.train.preflight import preflight
 
-    setup = preflight(cfg)
-    saved_env = os.environ.get(MASK_SOURCE_ENV)
-    if cfg.mask_token_id is None:  # resolved once here (it may scan the store), not again per process
-        os.environ[MASK_SOURCE_ENV] = setup.mask_token_source
-        cfg = dataclasses.replace(cfg, mask_token_id=setup.mask_token_id)
-    del setup
-    try:
-        return _start(cfg, devices)
-    finally:
-        if saved_env is None:
-            os.environ.pop(MASK_SOURCE_ENV, None)
-        else:
-            os.environ[MASK_SOURCE_ENV] = saved_env
+    return _start(preflight(cfg), devices)
 
 
 def launch_config(nproc: int):
@@ -172,20 +164,19 @@ def launch_config(nproc: int):
     )
 
 
-def _start(cfg: TrainConfig, devices: Devices) -> dict | None:
+def _start(run: ResolvedRun, devices: Devices) -> dict | None:
     from dflash.train.trainer import run_training
 
     if devices.count == 1:
-        return run_training(cfg, device=_device_for(devices.kind, devices.ids, 0))
+        return run_training(run, device=_device_for(devices.kind, devices.ids, 0))
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     launch_cfg = launch_config(devices.count)
-    cfg_dict = dataclasses.asdict(cfg)
     with tempfile.TemporaryDirectory(prefix="dflash-launch-") as error_dir:
         try:
-            elastic_launch(launch_cfg, _worker)(cfg_dict, devices.kind, devices.ids, error_dir, os.getpid())
+            elastic_launch(launch_cfg, _worker)(run, devices.kind, devices.ids, error_dir, os.getpid())
         except ChildFailedError:
             messages = sorted(Path(error_dir).glob("rank*.txt"))
             if messages:

@@ -15,7 +15,8 @@ from dflash.config import TrainConfig
 from dflash.jsonl import jsonl_lines
 from dflash.train.batch_slots import default_num_slots
 from dflash.train.loader import PREFETCH_FACTOR, batch_bytes
-from dflash.train.preflight import Setup, truncate_metrics
+from dflash.train.preflight import truncate_metrics
+from dflash.train.resolved import ResolvedRun
 
 
 def peak_mem_gb(device: torch.device) -> float:
@@ -61,8 +62,9 @@ def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.d
 class RunLogger:
     """Rank 0's outputs: metrics.jsonl, TensorBoard, the tqdm bar and the final metrics.json."""
 
-    def __init__(self, cfg: TrainConfig, setup: Setup, rank: int, world: int, start_step: int, total: int,
-                 loss_kernel: str = "torch"):
+    def __init__(self, cfg: TrainConfig, run: ResolvedRun, store, rank: int, world: int, start_step: int,
+                 total: int, loss_kernel: str = "torch"):
+        """`store`: the first epoch's view of the training store (dflash.store.Store)."""
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
@@ -71,14 +73,14 @@ class RunLogger:
         self.file = open(self.run / "metrics.jsonl", "a")
         self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
-        cut = int((setup.store.lengths() > setup.spec.s_shapes[-1]).sum())
-        one = batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers)
+        cut = int((store.lengths() > run.spec.s_shapes[-1]).sum())
+        one = batch_bytes(run.spec, run.feature_width)
         n_slots = default_num_slots(cfg.num_workers, cfg.grad_accum)  # dflash.train.batch_slots
         self.bar.write(
-            f"dflash train: {len(setup.store)} samples, {world} process(es), steps {start_step}->{total}, "
-            f"mask token {setup.mask_token_id} ({setup.mask_token_source}), shapes S {setup.spec.s_shapes} "
-            f"Q {setup.spec.q_shapes}, loss kernel {loss_kernel}, drafter layers "
-            f"{','.join(t.split('_')[0] for t in setup.drafter_config.layer_types)} ({setup.layer_types_source})"
+            f"dflash train: {len(store)} samples, {world} process(es), steps {start_step}->{total}, "
+            f"mask token {run.mask_token_id} ({run.mask_token_source}), shapes S {run.spec.s_shapes} "
+            f"Q {run.spec.q_shapes}, loss kernel {loss_kernel}, drafter layers "
+            f"{','.join(t.split('_')[0] for t in run.drafter_config.layer_types)} ({run.layer_types_source})"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
             + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
                f"= {cfg.num_workers} workers + 3 x {cfg.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "
@@ -86,7 +88,7 @@ class RunLogger:
                f"; host memory for batches in flight: up to {cfg.num_workers * PREFETCH_FACTOR * one / 1e9:.2f} GB per "
                f"process ({cfg.num_workers} workers x {PREFETCH_FACTOR} ready x {one / 1e6:.1f} MB)"),
             file=sys.stderr)
-        (self.run / "config.json").write_text(json.dumps(setup.record(world), indent=2, default=str))
+        (self.run / "config.json").write_text(json.dumps(run.record(world), indent=2, default=str))
 
     def log(self, rec: dict) -> None:
         self.records.append(rec)

@@ -1,72 +1,27 @@
 """Everything a training run checks and resolves before it touches a GPU or writes a file.
 
 `preflight(cfg)` opens the store (index only), refuses a store that does not match the target or the
-drafter, picks the mask token, builds the drafter config and the loader spec.  The launcher calls it once
-in the parent so that user errors cost one message, not one traceback per process; every training
-process calls it again (it is cheap) to get the same `Setup`.
+drafter, picks the mask token, builds the drafter config and the loader spec, and returns them as a
+`ResolvedRun` (dflash.train.resolved).  It runs once per run, in the launcher (or rank 0 under torchrun),
+so that user errors cost one message, not one traceback per process, and the mask token is chosen once
+(it may scan the store); the training processes receive the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from dflash.config import TrainConfig, to_dict
-from dflash.errors import ConfigError, StoreError
+from dflash.config import TrainConfig
+from dflash.errors import ConfigError, DFlashError, StoreError
 from dflash.jsonl import jsonl_lines
 from dflash.paths import portable
 from dflash.train.epochs import wait_for_manifest
 from dflash.train.loader import LoaderSpec
-
-MASK_SOURCE_ENV = "DFLASH_MASK_TOKEN_SOURCE"
-
-
-@dataclass
-class Setup:
-    cfg: TrainConfig
-    store: object  # dflash.store.Store
-    identity: dict
-    drafter_config: object  # dflash.drafter.DrafterConfig
-    spec: LoaderSpec
-    mask_token_id: int
-    mask_token_source: str
-    eval_store: object = None  # held-out store for --eval-every
-    layer_types_source: str = "default: all full"  # where the drafter's layer types came from
-    # --drafter-init target: {"copies": {drafter name: (file, target name)}, "record": ...} (train/drafter_init.py)
-    drafter_init: dict | None = None
-
-    def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
-        from dflash.target_model.files import load_embed_and_head
-
-        embed, head = load_embed_and_head(self.cfg.target)
-        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
-        embed = embed.to(device, dtype)
-        head = embed if head is embed else head.to(device, dtype)
-        return embed.requires_grad_(False), head.requires_grad_(False)
-
-    def record(self, world: int) -> dict:
-        """RUN/config.json and each checkpoint's train_config.json."""
-        m = self.store.manifest
-        return {
-            "train": to_dict(self.cfg),
-            "drafter": self.drafter_config.to_hf_dict(),
-            "mask_token": {"id": self.mask_token_id, "source": self.mask_token_source},
-            "layer_types_source": self.layer_types_source,
-            "drafter_init": self.drafter_init["record"] if self.drafter_init else {"mode": "random"},
-            "world_size": world,
-            "store": {
-                "path": portable(self.cfg.store, self.cfg.out),  # relative to the run directory
-                "samples": len(self.store),
-                **{k: m.get(k) for k in ("format_version", "target", "tokenizer_hash", "dataset_fingerprint",
-                                         "target_layer_ids", "hidden_dtype", "topk", "max_length")},
-            },
-        }
+from dflash.train.resolved import ResolvedRun
 
 
 def _check_options(cfg: TrainConfig) -> None:
@@ -176,8 +131,7 @@ def resolve_mask_token(cfg_id: int | None, target: str, vocab_rows: int, store,
     if cfg_id is not None:
         if not 0 <= cfg_id < vocab_rows:
             raise ConfigError(f"--mask-token-id {cfg_id} is outside the target's embedding table (0..{vocab_rows - 1}).")
-        # The launcher resolves the token once and hands it to its processes with how it was chosen.
-        return int(cfg_id), os.environ.get(MASK_SOURCE_ENV, "configured")
+        return int(cfg_id), "configured"
     from transformers import AutoTokenizer
 
     try:
@@ -300,14 +254,11 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
     return types, window, source
 
 
-def preflight(cfg: TrainConfig) -> Setup:
-    from dflash.drafter import DrafterConfig
+def _checked_store(cfg: TrainConfig, identity: dict):
+    """The training store, checked against the target and the options; the held-out store's manifest too."""
     from dflash.store import compare_manifest, open_store
-    from dflash.target_model.files import engine_layer_problem, target_config, target_identity, tokenizer_hash
+    from dflash.target_model.files import tokenizer_hash
 
-    _check_options(cfg)
-    check_run_dir(cfg)
-    identity = target_identity(cfg.target)
     if cfg.follow:
         wait_for_manifest(cfg)
     store = open_store(cfg.store, require_complete=not cfg.follow)
@@ -317,13 +268,33 @@ def preflight(cfg: TrainConfig) -> Setup:
     if cfg.kd_weight > 0 and not store.topk:
         raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
                           "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
-    eval_store = None
     if cfg.eval_every:
         if not cfg.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
         eval_store = open_store(cfg.eval_store, require_complete=True)
         compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.target),
                          target_layer_ids=store.target_layer_ids)
+    return store
+
+
+def _store_record(cfg: TrainConfig, store) -> dict:
+    m = store.manifest
+    return {
+        "path": portable(cfg.store, cfg.out),  # relative to the run directory
+        "samples": len(store),
+        **{k: m.get(k) for k in ("format_version", "target", "tokenizer_hash", "dataset_fingerprint",
+                                 "target_layer_ids", "hidden_dtype", "topk", "max_length")},
+    }
+
+
+def preflight(cfg: TrainConfig) -> ResolvedRun:
+    from dflash.drafter import DrafterConfig
+    from dflash.target_model.files import engine_layer_problem, target_config, target_identity
+
+    _check_options(cfg)
+    check_run_dir(cfg)
+    identity = target_identity(cfg.target)
+    store = _checked_store(cfg, identity)
     vocab_rows = int(identity.get("vocab_size") or 0)
     mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store, growing=cfg.follow)
     tcfg = target_config(cfg.target)
@@ -358,7 +329,31 @@ def preflight(cfg: TrainConfig) -> Setup:
         skip_damaged=cfg.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
-    return Setup(cfg, store, identity, dcfg, spec, mask_id, source, eval_store, types_source, init)
+    return ResolvedRun(dataclasses.replace(cfg, mask_token_id=mask_id), dcfg, spec, mask_id, source, types_source,
+                       store.hidden_size * store.num_layers, _store_record(cfg, store), init)
 
 
-__all__ = ["Setup", "preflight", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]
+def resolved_by_rank0(cfg: TrainConfig, rank: int, world: int) -> ResolvedRun:
+    """Under torchrun: rank 0's preflight, broadcast to every rank (its error raised on every rank)."""
+    import torch.distributed as dist
+
+    if world <= 1:
+        return preflight(cfg)
+    box: list = [None]
+    failure = None
+    if rank == 0:
+        try:
+            box[0] = preflight(cfg)
+        except DFlashError as e:
+            box[0] = failure = e
+        except Exception as e:  # a bug: the others stop too; rank 0 keeps the traceback
+            box[0], failure = RuntimeError(f"rank 0's preflight failed: {e!r}"), e
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+__all__ = ["preflight", "resolved_by_rank0", "prepare_run_dir", "check_run_dir", "truncate_metrics", "resolve_mask_token"]

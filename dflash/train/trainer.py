@@ -1,6 +1,7 @@
 """One training process: the `Trainer` (set-up, resume, the step loop, metrics, checkpoints).
 
-`dflash.train.launch` starts one process per device (or torchrun does) and each calls `run_training`.
+`dflash.train.launch` starts one process per device (or torchrun does) and each calls `run_training` with
+the run that preflight resolved once (dflash.train.resolved).
 Every process reads its own part of every epoch (dflash.train.loader); the loss of an optimizer step is
 normalised by the global sum of loss weights of that step, so W processes x A accumulation steps give the
 gradient of one batch of W*A micro-batches, whatever W and A are (docs/DESIGN.md §3).
@@ -32,7 +33,8 @@ from dflash.train.epochs import EpochSource
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import loss_kernel_note
 from dflash.train.metrics import RunLogger, StepProfiler, step_record
-from dflash.train.preflight import preflight, prepare_run_dir
+from dflash.train.preflight import prepare_run_dir, resolved_by_rank0
+from dflash.train.resolved import ResolvedRun
 from dflash.train.step import HOST_PHASES, StepStats, TrainStep, compile_count, compiled, lr_at
 
 __all__ = ["Trainer", "run_training", "lr_at", "HOST_PHASES", "StepStats"]
@@ -59,20 +61,21 @@ class PendingStep:
 class Trainer:
     """The drafter's training in this process: `train()` runs `train_step()` until the last step."""
 
-    def __init__(self, cfg: TrainConfig, device: torch.device, rank: int = 0, world: int = 1,
+    def __init__(self, run: ResolvedRun, device: torch.device, rank: int = 0, world: int = 1,
                  step_gc: StepGC | None = None):
-        self.cfg, self.device, self.rank, self.world = cfg, device, rank, world
+        cfg = run.cfg
+        self.run, self.cfg, self.device, self.rank, self.world = run, cfg, device, rank, world
         self.step_gc = step_gc or StepGC(0)
-        self.setup = preflight(cfg)
         if world > 1 and cfg.parallel == "fsdp" and cfg.eval_every:
             raise ConfigError("--eval-every needs the whole drafter in one process; with --parallel fsdp evaluate "
                               "checkpoints with `dflash eval` instead.")
         if rank == 0:
             prepare_run_dir(cfg)
         self._barrier()
-        embed, head = self.setup.embed_and_head(device)
-        n_shapes = len(self.setup.spec.s_shapes) * len(self.setup.spec.q_shapes)
-        self.step_fn = TrainStep(self.setup.drafter_config, cfg, device, world, embed, head, n_shapes)
+        embed, head = run.embed_and_head(device)
+        n_shapes = len(run.spec.s_shapes) * len(run.spec.q_shapes)
+        self.step_fn = TrainStep(run.drafter_config, cfg, device, world, embed, head, n_shapes)
+        self.eval_store = None  # rank 0's held-out store, opened at the first evaluation
         self.step, self.epoch, self.samples_done = 0, 0, 0
         self.snapshot: dict[str, int] | None = None  # the epoch's view of the store (None: take one)
         # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
@@ -106,23 +109,23 @@ class Trainer:
             torch.cuda.set_rng_state(state["rng"]["cuda"])
 
     def resume(self) -> None:
-        """Load the newest checkpoint of the run directory, if --resume and there is one."""
+        """Load the newest checkpoint of the run directory, if --resume and there is one; the run's record
+        (a new ResolvedRun) says how the drafter's weights were set."""
         found = ckpt.load_latest(Path(self.cfg.out)) if self.cfg.resume else None  # skips unreadable ones
-        init = self.setup.drafter_init
+        init = self.run.drafter_init
         if found is None:
             if init:
                 from dflash.train import drafter_init
 
                 self.step_fn.load_weights(drafter_init.load(init["copies"]))
-                init["record"]["applied"] = "fresh run: the listed tensors were copied from the target"
+                self.run = self.run.with_init_applied("fresh run: the listed tensors were copied from the target")
             return
-        if init:
-            init["record"]["applied"] = f"resumed from {found[0].name}: the checkpoint's weights, nothing copied"
+        self.run = self.run.with_init_applied(f"resumed from {found[0].name}: the checkpoint's weights, nothing copied")
         latest, (model_state, drafter_cfg, train_state, _) = found
-        changed = ckpt.arch_change(latest, drafter_cfg, self.setup.drafter_config.to_hf_dict())
+        changed = ckpt.arch_change(latest, drafter_cfg, self.run.drafter_config.to_hf_dict())
         if changed:
             raise ConfigError(changed)
-        if drafter_cfg != self.setup.drafter_config.to_hf_dict():
+        if drafter_cfg != self.run.drafter_config.to_hf_dict():
             raise ConfigError(
                 f"checkpoint {latest} was trained with a different drafter (block size, layers, layer types, "
                 "sliding window, target layers or mask token); resume with the original options or start a "
@@ -135,8 +138,8 @@ class Trainer:
         state = self.state_dict()
         if self.rank == 0:
             model_state = state.pop("model")
-            ckpt.save_checkpoint(Path(self.cfg.out), self.step, model_state, self.setup.drafter_config.to_hf_dict(),
-                                 state, self.setup.record(self.world), keep=self.cfg.keep_checkpoints)
+            ckpt.save_checkpoint(Path(self.cfg.out), self.step, model_state, self.run.drafter_config.to_hf_dict(),
+                                 state, self.run.record(self.world), keep=self.cfg.keep_checkpoints)
         self._barrier()
 
     # ------------------------------------------------------------------------------------ the loop
@@ -144,7 +147,7 @@ class Trainer:
     def _open_epoch(self) -> None:
         """This epoch's dataset (its snapshot of the store), from the current data position; an epoch the
         position has finished is skipped for the next one."""
-        source = EpochSource(self.cfg, dataclasses.replace(self.setup.spec, balance_group=self.balance_group),
+        source = EpochSource(self.cfg, dataclasses.replace(self.run.spec, balance_group=self.balance_group),
                              self.world, self.device, self.rank)
         while True:
             self.dataset, self.snapshot, waited = source.open(self.epoch, self.snapshot)
@@ -158,13 +161,13 @@ class Trainer:
 
     def _start_loader(self, total: int) -> None:
         """Sampler, DataLoader (its workers) and feeder over the rest of this epoch, up to the last step."""
-        cfg, setup = self.cfg, self.setup
+        cfg = self.cfg
         steps = min(self.epoch_steps_left, total - self.step)
         sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.grad_accum, self.epoch, self.start_batch, steps)
         if self.slots is None and cfg.batch_slots:
             # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
             self.slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
-                                    L.batch_bytes(setup.spec, setup.store.hidden_size * setup.store.num_layers),
+                                    L.batch_bytes(self.run.spec, self.run.feature_width),
                                     pin=self.device.type == "cuda")
         loader = L.make_loader(self.dataset, sampler, cfg.num_workers, pin_memory=self.device.type == "cuda",
                                slots=self.slots)
@@ -218,7 +221,7 @@ class Trainer:
         total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
                                                                                            cfg.grad_accum)))
         self._start_loader(total)
-        logger = (RunLogger(cfg, self.setup, self.rank, self.world, self.step, total,
+        logger = (RunLogger(cfg, self.run, self.dataset.store, self.rank, self.world, self.step, total,
                             loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
         self.tracker = _StepTracker(self, logger, total, since=opened)
@@ -259,12 +262,15 @@ class Trainer:
         """Offline tau on the held-out store, on rank 0 (the others wait for it at the next all-reduce)."""
         if self.rank != 0:
             return {}
+        from dflash.store import open_store
         from dflash.train.heldout import offline_tau
 
-        setup, fn = self.setup, self.step_fn
-        res = offline_tau(fn.raw, fn.embed, fn.head, setup.eval_store, num_anchors=setup.cfg.num_anchors,
-                          seed=setup.cfg.seed, token_budget=setup.spec.token_budget,
-                          block_budget=setup.spec.block_budget, progress=False)
+        if self.eval_store is None:  # its manifest was checked by preflight
+            self.eval_store = open_store(self.cfg.eval_store, require_complete=True)
+        spec, fn = self.run.spec, self.step_fn
+        res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.num_anchors,
+                          seed=self.cfg.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
+                          progress=False)
         return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
 
     def _barrier(self) -> None:
@@ -334,8 +340,9 @@ class _StepTracker:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def run_training(cfg: TrainConfig, device: str = "cpu") -> dict | None:
-    """Train in this process (rank `RANK` of `WORLD_SIZE`, or alone); returns the final metrics."""
+def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | None:
+    """Train in this process (rank `RANK` of `WORLD_SIZE`, or alone); returns the final metrics.  `run`: as
+    the launcher resolved it, or under torchrun the TrainConfig, which rank 0 resolves for every rank."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -347,8 +354,10 @@ def run_training(cfg: TrainConfig, device: str = "cpu") -> dict | None:
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        with StepGC(cfg.gc_every) as step_gc:
-            return Trainer(cfg, dev, rank, world, step_gc).train()
+        if isinstance(run, TrainConfig):
+            run = resolved_by_rank0(run, rank, world)
+        with StepGC(run.cfg.gc_every) as step_gc:
+            return Trainer(run, dev, rank, world, step_gc).train()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
