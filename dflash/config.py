@@ -50,6 +50,9 @@ class PrecomputeConfig:
     topk: int = opt(8, "Target top-k log-probs stored per position, for KD; 0 = off.")
     hidden_dtype: str = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
                             "half the bytes).", ("bf16", "fp8"))
+    final_hidden: bool = opt(False, "Store the target's last hidden state too (`final_hidden` [T, H], the last "
+                             "decoder layer's output before the final norm, in --hidden-dtype): DSpark "
+                             "needs it. Adds 2*H bytes per token in bf16, H+4 in fp8.")
     token_budget: int = opt(16384, "Tokens per target forward batch (padded length x rows).")
     lm_head_chunk: int = opt(4096, "Positions per lm_head chunk when computing the top-k.")
     commit_every_tokens: int = opt(32768, "A shard commits (becomes durable and resumable) every N tokens.")

@@ -122,6 +122,7 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Da
         "hidden_dtype": cfg.hidden_dtype,
         "topk": cfg.topk,
         "max_length": cfg.max_length,
+        **({"final_hidden": True} if cfg.final_hidden else {}),  # absent = off, as in stores made before it
         "num_shards": num_shards,
         "precompute_config": to_dict(cfg),
     }

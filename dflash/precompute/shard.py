@@ -106,7 +106,7 @@ def run_shard(job: ShardJob) -> dict:
         if note and (job.part is None or shard == job.part.first_shard):  # once per run, not per shard
             print(f"precompute: {note}", flush=True)
         _exit_if_orphaned(job)  # loading takes long: a launcher killed meanwhile needs no capture from us
-        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile)
+        capture = Capture(model, job.layer_ids, cfg.topk, cfg.lm_head_chunk, cfg.compile, cfg.final_hidden)
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stats = {"rows": len(rows), "skipped": 0, "cut_away": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
@@ -117,6 +117,7 @@ def run_shard(job: ShardJob) -> dict:
             num_layers=len(job.layer_ids),
             hidden_dtype=cfg.hidden_dtype,
             topk=cfg.topk,
+            final_hidden=cfg.final_hidden,
             commit_every_tokens=cfg.commit_every_tokens,
             chunk_tokens=cfg.store_chunk_tokens,
         )
@@ -195,5 +196,6 @@ def _write_batch(sink, capture, members, todo, device, pad_id, id_base: int = 0)
     """Capture one batch and hand its `todo` rows to the sink's writer."""
     device = torch.device(device)
     out = capture(*_batch_ids(members, device, pad_id))
+    final = {"final_hidden": out["final_hidden"]} if "final_hidden" in out else {}
     sink.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
-                out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"))
+                out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"), **final)

@@ -9,6 +9,7 @@ from dflash.store.manifest import (
     create_or_check_manifest,
     mark_shard,
     read_manifest,
+    require_final_hidden,
     shard_name,
 )
 from dflash.store.reader import Store, open_store
@@ -25,6 +26,7 @@ __all__ = [
     "mark_shard",
     "open_store",
     "read_manifest",
+    "require_final_hidden",
     "shard_name",
     "verify_store",
 ]

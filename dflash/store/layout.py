@@ -1,7 +1,8 @@
 """On-disk layout of one shard, shared by the writer, the reader and verify.
 
     shard-00000/
-      zarr.json, input_ids/, loss_mask/, hidden/, [hidden_scale/], [topk_ids/, topk_logprobs/]
+      zarr.json, input_ids/, loss_mask/, hidden/, [hidden_scale/], [topk_ids/, topk_logprobs/],
+                 [final_hidden/, [final_hidden_scale/]]
                                  Zarr v3 group, token-major arrays, sharding codec
       index/seg-000000.arrow ... Arrow IPC index segments, one per commit (while the shard is written)
       tail-000000012345.arrow    the committed tokens past the last full Zarr shard object (see writer.py)
@@ -32,12 +33,18 @@ _SEG_RE = re.compile(r"^seg-(\d{6})\.arrow$")
 _TAIL_RE = re.compile(r"^tail-(\d{12})\.arrow$")
 CHECKSUM = "xxh3_64"
 
-# Fields a caller can ask `Store.read` for, in storage order.
+# Fields a caller can ask `Store.read` for, in storage order; FINAL only of a store made with it.
 FIELDS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs")
+FINAL = "final_hidden"
 
 
-def array_specs(hidden_dtype: str, width: int, num_layers: int, topk: int) -> dict[str, tuple[np.dtype, tuple]]:
-    """name -> (numpy dtype, shape of one token's row) for every array a shard stores."""
+def array_specs(hidden_dtype: str, width: int, num_layers: int, topk: int,
+                final_hidden: bool = False) -> dict[str, tuple[np.dtype, tuple]]:
+    """name -> (numpy dtype, shape of one token's row) for every array a shard stores.
+
+    `final_hidden`: the target's last hidden state too ([T, H], H = width / num_layers), encoded as one more
+    layer of `hidden` is.  Its arrays come last, so a store without them has the columns and bytes it had
+    before the option existed."""
     if hidden_dtype not in ("bf16", "fp8"):
         raise StoreError(f"hidden_dtype must be 'bf16' or 'fp8', got {hidden_dtype!r}.")
     specs = {
@@ -50,6 +57,10 @@ def array_specs(hidden_dtype: str, width: int, num_layers: int, topk: int) -> di
     if topk > 0:
         specs["topk_ids"] = (np.dtype("int32"), (topk,))
         specs["topk_logprobs"] = (np.dtype("float32"), (topk,))
+    if final_hidden:
+        specs[FINAL] = (specs["hidden"][0], (width // num_layers,))
+        if hidden_dtype == "fp8":
+            specs[f"{FINAL}_scale"] = (np.dtype("float32"), (1,))
     return specs
 
 

@@ -18,6 +18,7 @@ Manifest keys (the ones with meaning; anything else is kept as free-form run inf
     hidden_dtype        "bf16" | "fp8"
     topk                int (0 = no top-k arrays)
     max_length          int
+    final_hidden        true when the shards hold the target's last hidden state (absent: they do not)
     num_shards          int
     shards              {"shard-00000": {"status": "pending" | "running" | "complete", ...stats}}
 """
@@ -54,8 +55,11 @@ IDENTITY_FIELDS = (
     ("hidden_dtype", None, "hidden_dtype"),
     ("topk", None, "topk"),
     ("max_length", None, "max_length"),
+    ("final_hidden", None, "final_hidden (--final-hidden)"),
     ("num_shards", None, "num_shards"),
 )
+# Recorded only when on: a store made without the option, before or after it existed, has no key.
+ABSENT_IS_FALSE = ("final_hidden",)
 
 
 def shard_name(index: int) -> str:
@@ -103,6 +107,8 @@ def manifest_differences(old: dict, new: dict, data: bool = True) -> list[str]:
         a, b = _get(old, key, sub), _get(new, key, sub)
         if (sub or key) in IF_RECORDED and (a is None or b is None):
             continue
+        if key in ABSENT_IS_FALSE:
+            a, b = bool(a), bool(b)
         if a != b:
             diffs.append(f"{name}: store has {a!r}, this run has {b!r}")
     return diffs
@@ -207,6 +213,7 @@ _MANIFEST_KEYS = (
     ("topk", lambda v: _is_int(v) and v >= 0, "an integer >= 0", False),
     ("max_length", _is_int, "an integer", False),
     ("tokenizer_hash", lambda v: isinstance(v, str), "a string", False),
+    ("final_hidden", lambda v: v is True, "true (or absent)", False),
 )
 
 
@@ -269,4 +276,15 @@ def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer
         raise StoreError(
             f"the store does not match this target/drafter ({'; '.join(diffs)}). Precompute a store with "
             "this target (and --target-layers), or train with the target the store was made from."
+        )
+
+
+def require_final_hidden(manifest: dict, path) -> None:
+    """Refuse a store without the target's last hidden state (what DSpark trains on), before a run starts."""
+    if manifest.get("final_hidden") is not True:
+        raise StoreError(
+            f"the store {path} has no final hidden states; DSpark needs them (it recomputes the target's full "
+            "next-token distribution from the last layer's output): recapture with `dflash precompute "
+            "--final-hidden` (into a new --out, or with --overwrite), or train this store with --arch dflash "
+            "or dflash2."
         )

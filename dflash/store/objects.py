@@ -67,11 +67,12 @@ def _open_array(group, name: str, dtype, row: tuple, hidden_dtype: str, S: int, 
     keep_empty = {"write_empty_chunks": True}
     if name in group:
         return group[name].with_config(keep_empty)
-    if name == "hidden":
+    if name in ("hidden", "final_hidden"):  # the final hidden state is one more layer of hidden states
         chunks, comp = (ci, *row), (ZstdCodec(level=1) if hidden_compressor == "zstd" else None)
         extra = {"dtype": "bfloat16" if hidden_dtype == "bf16" else "float8_e4m3fn", "bits": str(dtype)}
         if hidden_dtype == "fp8":
-            extra["scale"] = "hidden_scale [T, num_layers] float32 = amax/448; value = e4m3 * scale"
+            extra["scale"] = (f"{name}_scale [T, {'num_layers' if name == 'hidden' else 1}] float32 = amax/448; "
+                              "value = e4m3 * scale")
     else:
         chunks, comp, extra = (S, *row), BloscCodec(cname="zstd", clevel=3, shuffle="shuffle"), {}
     return group.create_array(name=name, shape=(0, *row), dtype=dtype, chunks=chunks, shards=(S, *row),

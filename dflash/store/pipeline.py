@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.store.rows import encode_hidden_tensors
+from dflash.store.rows import encode_hidden_tensors, final_named
 from dflash.store.writer import ShardWriter
 
 
@@ -110,8 +110,9 @@ class WritePipeline:
 
     # -- main thread ------------------------------------------------------------------------------
 
-    def submit(self, samples, hidden: torch.Tensor, topk_ids=None, topk_logprobs=None) -> None:
-        """Queue one right-padded batch ([B, T, L*H] hidden, [B, T, K] top-k, on the device) for writing."""
+    def submit(self, samples, hidden: torch.Tensor, topk_ids=None, topk_logprobs=None, final_hidden=None) -> None:
+        """Queue one right-padded batch ([B, T, L*H] hidden, [B, T, K] top-k, [B, T, H] final hidden when the
+        writer stores it, on the device) for writing."""
         self._raise_error()
         if self._closed:
             raise RuntimeError("submit() after the write pipeline was closed")
@@ -124,11 +125,13 @@ class WritePipeline:
             off += len(ids)
         # [B, T, ...] arrays in their stored dtype; per-token work stays on the device (fp8 quantisation);
         # on a CPU, bf16 conversion happens in the copy into the slot (no fresh batch-sized buffer)
-        if w.hidden_dtype == "fp8":
-            arrays = encode_hidden_tensors(hidden, "fp8", w.num_layers)
-        else:
-            arrays = {"hidden": hidden.to(torch.bfloat16) if self._stream is not None else hidden}
-        dtypes = {"hidden": torch.bfloat16 if w.hidden_dtype == "bf16" else torch.uint8}
+        arrays = self._encoded(hidden, w.num_layers)
+        if w.final_hidden:
+            if final_hidden is None:
+                raise ValueError("this shard stores the final hidden state: submit the capture's final_hidden too")
+            arrays.update(final_named(self._encoded(final_hidden, 1)))
+        hidden_bits = torch.bfloat16 if w.hidden_dtype == "bf16" else torch.uint8
+        dtypes = {"hidden": hidden_bits, "final_hidden": hidden_bits}
         if w.topk:
             arrays["topk_ids"], arrays["topk_logprobs"] = topk_ids.to(torch.int32), topk_logprobs.float()
         slot = self._take_slot()
@@ -146,6 +149,11 @@ class WritePipeline:
             self._free.put(slot)
             raise
         self._enqueue(_Item(slot, [(sid, row, ids, mask, o, n) for _, sid, row, ids, mask, o, n in meta], host, slot.event))
+
+    def _encoded(self, h: torch.Tensor, num_layers: int) -> dict[str, torch.Tensor]:
+        if self.writer.hidden_dtype == "fp8":
+            return encode_hidden_tensors(h, "fp8", num_layers)
+        return {"hidden": h.to(torch.bfloat16) if self._stream is not None else h}
 
     def _enqueue(self, item: _Item) -> None:
         self._work.put(item)

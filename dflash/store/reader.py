@@ -27,7 +27,7 @@ from zarr.storage import LocalStore
 
 from dflash.errors import DamagedSampleError, StoreError
 from dflash.store import layout
-from dflash.store.manifest import read_manifest, shard_name
+from dflash.store.manifest import read_manifest, require_final_hidden, shard_name
 
 
 class ShardData:
@@ -218,7 +218,9 @@ class Store:
         self.hidden_size = int((m.get("target") or {}).get("hidden_size") or m.get("hidden_size") or 0)
         self.topk = int(m.get("topk") or 0)
         self.hidden_dtype = m.get("hidden_dtype", "bf16")
-        self.specs = layout.array_specs(self.hidden_dtype, self.hidden_size * self.num_layers, self.num_layers, self.topk)
+        self.final_hidden = m.get("final_hidden") is True
+        self.specs = layout.array_specs(self.hidden_dtype, self.hidden_size * self.num_layers, self.num_layers, self.topk,
+                                        self.final_hidden)
         self.shards: list[ShardData] = []
         tables = []
         problems = []
@@ -336,13 +338,16 @@ class Store:
         )
 
     def read(self, sample_id: int, fields=None, verify: bool | None = None) -> dict[str, torch.Tensor]:
-        """One sample as torch tensors (docs/DESIGN.md §5); `fields` limits what is read.  Each array read
-        is checked against its checksum (StoreError naming shard, sample and array) unless `verify` is
-        False (default: the store's `verify`)."""
-        fields = layout.FIELDS if fields is None else tuple(fields)
-        bad = [f for f in fields if f not in layout.FIELDS]
+        """One sample as torch tensors (docs/DESIGN.md §5), with `final_hidden` [T, H] bf16 when the store
+        has it; `fields` limits what is read.  Each array read is checked against its checksum (StoreError
+        naming shard, sample and array) unless `verify` is False (default: the store's `verify`)."""
+        known = layout.FIELDS + ((layout.FINAL,) if self.final_hidden else ())
+        fields = known if fields is None else tuple(fields)
+        if layout.FINAL in fields and not self.final_hidden:
+            require_final_hidden(self.manifest, self.path)
+        bad = [f for f in fields if f not in known]
         if bad:
-            raise ValueError(f"unknown field(s) {bad}; choose from {layout.FIELDS}")
+            raise ValueError(f"unknown field(s) {bad}; choose from {known}")
         verify = self.verify if verify is None else verify
         i = self._locate(int(sample_id))
         n = int(self._length[i])
@@ -350,9 +355,9 @@ class Store:
         for f in fields:
             if f.startswith("topk") and not self.topk:
                 out[f] = torch.zeros((n, 0), dtype=torch.int64 if f == "topk_ids" else torch.float32)
-            elif f == "hidden":
-                scale = self._stored(i, "hidden_scale", verify) if self.hidden_dtype == "fp8" else None
-                out[f] = decode_hidden(self._stored(i, "hidden", verify), scale)
+            elif f in ("hidden", layout.FINAL):
+                scale = self._stored(i, f"{f}_scale", verify) if self.hidden_dtype == "fp8" else None
+                out[f] = decode_hidden(self._stored(i, f, verify), scale)
             else:
                 a = torch.from_numpy(self._stored(i, f, verify))
                 out[f] = a.bool() if f == "loss_mask" else a.long() if f.endswith("ids") else a.float()

@@ -43,6 +43,12 @@ def encode_hidden(hidden, hidden_dtype: str, num_layers: int) -> dict[str, np.nd
     return out
 
 
+def final_named(encoded: dict) -> dict:
+    """The stored form of the target's last hidden state [..., H], encoded by `encode_hidden(_tensors)` as
+    one layer (the scale scheme of `hidden`), under its own array names: final_hidden[, final_hidden_scale]."""
+    return {f"final_{k}": v for k, v in encoded.items()}
+
+
 def as_stored(x, dtype: np.dtype) -> np.ndarray:
     """numpy rows in the stored dtype: an integer array of the same width is reinterpreted (int16 bf16
     bits as uint16), anything else converted."""

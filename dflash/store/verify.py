@@ -119,7 +119,8 @@ def verify_store(path: str | os.PathLike, checksums: bool = True) -> Report:
     L = len(m.get("target_layer_ids") or [])
     H = int((m.get("target") or {}).get("hidden_size") or m.get("hidden_size") or 0)
     try:
-        specs = layout.array_specs(m.get("hidden_dtype", "bf16"), H * L, L, int(m.get("topk") or 0))
+        specs = layout.array_specs(m.get("hidden_dtype", "bf16"), H * L, L, int(m.get("topk") or 0),
+                                   m.get("final_hidden") is True)
     except StoreError as e:
         report.problems.append(f"manifest: {e}")
         return report

@@ -69,6 +69,7 @@ from dflash.store.rows import (
     as_stored,
     encode_hidden,
     encode_hidden_tensors,
+    final_named,
     fsync_files,
     pow2_floor,
 )
@@ -106,6 +107,7 @@ class ShardWriter:
         num_layers: int,
         hidden_dtype: str = "bf16",
         topk: int = 0,
+        final_hidden: bool = False,  # store the target's last hidden state [T, H] too (layout.array_specs)
         commit_every_tokens: int = 32768,
         chunk_tokens: int | None = None,  # inner chunk (default: ~4 MB of hidden states)
         chunks_per_object: int = 16,  # inner chunks per Zarr shard object (file)
@@ -125,14 +127,15 @@ class ShardWriter:
         self.shard = int(shard_index)
         self.dir = self.root / shard_name(self.shard)
         self.hidden_dtype, self.num_layers, self.topk = hidden_dtype, int(num_layers), int(topk)
+        self.final_hidden = bool(final_hidden)
         if hidden_width % num_layers:
             raise ValueError(f"hidden_width {hidden_width} is not a multiple of num_layers {num_layers}")
-        self.specs = layout.array_specs(hidden_dtype, int(hidden_width), self.num_layers, self.topk)
+        self.specs = layout.array_specs(hidden_dtype, int(hidden_width), self.num_layers, self.topk, self.final_hidden)
         self.commit_every_tokens = int(commit_every_tokens)
         row_bytes = hidden_width * self.specs["hidden"][0].itemsize
         ci = chunk_tokens or min(8192, max(16, pow2_floor(4 * 2**20 / row_bytes)))
         attrs = {"hidden_width": int(hidden_width), "num_layers": self.num_layers, "hidden_dtype": hidden_dtype,
-                 "topk": self.topk, "checksum": layout.CHECKSUM}
+                 "topk": self.topk, "checksum": layout.CHECKSUM, **({"final_hidden": True} if final_hidden else {})}
         self.arrays = open_arrays(self.dir, self.specs, attrs, ci * chunks_per_object, ci, hidden_compressor,
                                   fused_pipeline)
         self.S = self.arrays["hidden"].shards[0]  # an existing shard keeps the object size it was made with
@@ -185,11 +188,14 @@ class ShardWriter:
 
     # -- writing ------------------------------------------------------------------------------------
 
-    def append(self, sample_id, source_row, input_ids, loss_mask, hidden, topk_ids=None, topk_logprobs=None) -> None:
+    def append(self, sample_id, source_row, input_ids, loss_mask, hidden, topk_ids=None, topk_logprobs=None,
+               final_hidden=None) -> None:
         self._check_new(sample_id)
         arrays = encode_hidden(hidden, self.hidden_dtype, self.num_layers)
         if self.topk:
             arrays["topk_ids"], arrays["topk_logprobs"] = topk_ids, topk_logprobs
+        if self.final_hidden and final_hidden is not None:
+            arrays.update(final_named(encode_hidden(final_hidden, self.hidden_dtype, 1)))
         self.append_encoded(sample_id, source_row, input_ids, loss_mask, arrays)
 
     def _check_new(self, sample_id) -> int:
@@ -207,7 +213,8 @@ class ShardWriter:
     def append_encoded(self, sample_id, source_row, input_ids, loss_mask, arrays: dict) -> None:
         """append() for rows already in stored form (`encode_hidden_tensors`): `arrays` holds `hidden`
         (bf16 bits as int16/uint16, or e4m3 bits as uint8), `hidden_scale` (fp8), `topk_ids`,
-        `topk_logprobs` ([T, ...] numpy arrays or CPU tensors).  Everything is copied before it returns."""
+        `topk_logprobs`, `final_hidden` (+ `final_hidden_scale` for fp8) when the shard has it ([T, ...] numpy
+        arrays or CPU tensors).  Everything is copied before it returns."""
         sid = self._check_new(sample_id)
         rows = {"input_ids": as_stored(input_ids, self.specs["input_ids"][0]).reshape(-1),
                 "loss_mask": as_stored(loss_mask, self.specs["loss_mask"][0]).reshape(-1)}

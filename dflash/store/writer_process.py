@@ -64,9 +64,9 @@ class _SharedSlot(_Slot):
         return self.bufs[name][:need].view(dtype).view(shape)
 
 
-def _row_bytes(hidden_dtype: str, hidden_width: int, num_layers: int, topk: int) -> dict[str, int]:
+def _row_bytes(hidden_dtype: str, hidden_width: int, num_layers: int, topk: int, final_hidden: bool) -> dict[str, int]:
     """Bytes per token that submit() copies into a slot, by array (ids and masks travel as metadata)."""
-    specs = layout.array_specs(hidden_dtype, hidden_width, num_layers, topk)
+    specs = layout.array_specs(hidden_dtype, hidden_width, num_layers, topk, final_hidden)
     return {name: dt.itemsize * math.prod(row) for name, (dt, row) in specs.items()
             if name not in ("input_ids", "loss_mask")}
 
@@ -83,8 +83,9 @@ class ProcessWritePipeline(WritePipeline):
         self.capacity_tokens = int(capacity_tokens)
         a = writer_args
         self.writer = SimpleNamespace(hidden_dtype=a.get("hidden_dtype", "bf16"), num_layers=int(a["num_layers"]),
-                                      topk=int(a.get("topk", 0)))
-        rows = _row_bytes(self.writer.hidden_dtype, int(a["hidden_width"]), self.writer.num_layers, self.writer.topk)
+                                      topk=int(a.get("topk", 0)), final_hidden=bool(a.get("final_hidden")))
+        w = self.writer
+        rows = _row_bytes(w.hidden_dtype, int(a["hidden_width"]), w.num_layers, w.topk, w.final_hidden)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._registered: list[int] = []

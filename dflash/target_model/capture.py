@@ -179,13 +179,15 @@ class Capture:
     it, so the fast causal kernel runs and the real positions are exactly those of an unpadded forward.
     """
 
-    def __init__(self, model, layer_ids: list[int], topk: int = 8, lm_head_chunk: int = 4096, compile: str = "auto"):
+    def __init__(self, model, layer_ids: list[int], topk: int = 8, lm_head_chunk: int = 4096, compile: str = "auto",
+                 final_hidden: bool = False):
         if compile not in ("auto", "on", "off"):
             raise TargetError(f"compile must be auto, on or off, not {compile!r}.")
         self.model = model
         self.layers = decoder_layers(model)
         self.layer_ids = check_layers(layer_ids, len(self.layers), getattr(model, "name_or_path", "?"))
         self.topk = topk
+        self.final_hidden = final_hidden
         self.lm_head_chunk = lm_head_chunk
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.final_norm = getattr(self.decoder, "norm", None)
@@ -201,24 +203,30 @@ class Capture:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, L*H]; with top-k also topk_ids [B, T, K] int64 and
-        topk_logprobs [B, T, K] float32 (zeros at padded positions).  `lengths` [B] marks the real
+        topk_logprobs [B, T, K] float32 (zeros at padded positions); with `final_hidden` also final_hidden
+        [B, T, H], the last decoder layer's output before the final norm.  `lengths` [B] marks the real
         positions; pass it on the CPU (on a GPU it costs a host sync)."""
         captured: dict[int, torch.Tensor] = {}
-        last_needed = max(self.layer_ids)
         last_layer = len(self.layers) - 1
+        last_needed = last_layer if self.final_hidden else max(self.layer_ids)
+        hooked = set(self.layer_ids) | ({last_layer} if self.final_hidden else set())
 
         def hook_for(i):
             def hook(_module, _args, output):
                 h = output[0] if isinstance(output, (tuple, list)) else output
-                if i == last_layer and self.final_norm is not None:
-                    h = self.final_norm(h)  # transformers' hidden_states[-1] is after the final norm
-                captured[i] = h
+                if i == last_layer and self.final_hidden:
+                    # pre-norm: a trainer recomputes the full distribution as lm_head(final_norm(h))
+                    captured[-1] = h
+                if i in self.layer_ids:
+                    if i == last_layer and self.final_norm is not None:
+                        h = self.final_norm(h)  # transformers' hidden_states[-1] is after the final norm
+                    captured[i] = h
                 if self.topk == 0 and i == last_needed:
                     raise _Stop
 
             return hook
 
-        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in set(self.layer_ids)]
+        handles = [self.layers[i].register_forward_hook(hook_for(i)) for i in hooked]
         try:
             out = self.decoder(input_ids=input_ids, use_cache=False)
         except _Stop:
@@ -227,6 +235,8 @@ class Capture:
             for h in handles:
                 h.remove()
         result = {"hidden": torch.cat([captured[i] for i in self.layer_ids], dim=-1)}
+        if self.final_hidden:
+            result["final_hidden"] = captured[-1]
         if self.topk > 0:
             ids, logprobs = self.topk_of(out.last_hidden_state, lengths)
             result["topk_ids"], result["topk_logprobs"] = ids, logprobs
