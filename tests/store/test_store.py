@@ -364,8 +364,10 @@ def test_verify_reports_incomplete_and_damaged_index(tmp_path):
 N_CHILD = 80
 
 
-def _child_main(root: str, n: int, block_at: str, conn) -> None:
-    """The writer loop of a precompute shard, with an optional pause at a chosen instant (to be killed there)."""
+def _child_main(root: str, n: int, block_at: str, conn, pace: float = 0.0) -> None:
+    """The writer loop of a precompute shard, with an optional pause at a chosen instant (to be killed there).
+    `pace`: seconds between appends, so that a kill timed from the parent lands while samples are still
+    being written however fast this machine writes them."""
     import zarr.storage._local as zlocal
 
     from dflash.store import writer as W
@@ -418,6 +420,7 @@ def _child_main(root: str, n: int, block_at: str, conn) -> None:
         for i in range(n):
             if 3 * i + 1 not in done:
                 w.append(3 * i + 1, 3 * i + 1, **sample(3 * i + 1))
+                time.sleep(pace)
         w.finalize()
     conn.send("DONE")
 
@@ -425,9 +428,9 @@ def _child_main(root: str, n: int, block_at: str, conn) -> None:
 W_ = W
 
 
-def _start(ctx, root, block_at=""):
+def _start(ctx, root, block_at="", pace=0.0):
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child_main, args=(str(root), N_CHILD, block_at, child))
+    p = ctx.Process(target=_child_main, args=(str(root), N_CHILD, block_at, child, pace))
     p.start()
     child.close()
     return p, parent
@@ -462,7 +465,8 @@ def test_sigkill_at_any_instant_then_rerun_is_identical(tmp_path):
     create_or_check_manifest(root, manifest())
     # several crashes in a row, each rerun resuming what the last one committed; "final" is last
     for block_at in ["seg:2", "zput:7", "tmp:3", "time:0.05", "sync:4", "seg:3", "time:0.15", "tmp:1", "final:1"]:
-        p, conn = _start(ctx, root, "" if block_at.startswith("time") else block_at)
+        timed = block_at.startswith("time")
+        p, conn = _start(ctx, root, "" if timed else block_at, pace=0.01 if timed else 0.0)
         want = "RESUME" if block_at.startswith("time") else "BLOCKED"
         while True:
             assert conn.poll(60), f"{block_at}: child is stuck"
