@@ -28,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import QWEN3_8B  # noqa: E402
 from dflash.chat import conversation_of, load_rows, render  # noqa: E402
 from dflash.precompute.shard import WINDOW, plan_batches  # noqa: E402
 from dflash.target_model.capture import Capture, load_target, load_tokenizer  # noqa: E402
@@ -41,9 +42,8 @@ SHAPES = {
     "qwen3-1.7b": dict(arch="qwen3", hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=6144, vocab_size=151936,
                        tie_word_embeddings=True),
-    "qwen3-8b": dict(arch="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
-                     tie_word_embeddings=False),
+    "qwen3-8b": dict(arch="qwen3", tie_word_embeddings=False,
+                     **{k: v for k, v in QWEN3_8B.items() if k != "target_layer_ids"}),
 }
 
 

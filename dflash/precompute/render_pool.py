@@ -41,9 +41,12 @@ def _init(parent_pid: int, target: str, trust_remote_code: bool, data: str, spli
     _worker["data"] = data
 
 
-def _render_rows(rows: list[int], max_length: int) -> list[tuple[int, Rendered]]:
-    tok, ds, data = _worker["tokenizer"], _worker["rows"], _worker["data"]
+def _render(tok, ds, data: str, rows: list[int], max_length: int) -> list[tuple[int, Rendered]]:
     return [(r, render(tok, conversation_of(ds[r], r, data), max_length, where=f"dataset {data}, row {r}")) for r in rows]
+
+
+def _render_rows(rows: list[int], max_length: int) -> list[tuple[int, Rendered]]:
+    return _render(_worker["tokenizer"], _worker["rows"], _worker["data"], rows, max_length)
 
 
 class RenderPool:
@@ -68,11 +71,6 @@ class RenderPool:
             self.pool.terminate()
             self.pool.join()
 
-    def _inline(self, window: list[int]) -> list[tuple[int, Rendered]]:
-        data = self.cfg.data
-        return [(r, render(self.tokenizer, conversation_of(self.ds[r], r, data), self.cfg.max_length,
-                           where=f"dataset {data}, row {r}")) for r in window]
-
     def _submit(self, window: list[int]):
         n = max(1, -(-len(window) // (self.workers * PIECES_PER_WORKER)))
         pieces = [window[i : i + n] for i in range(0, len(window), n)]
@@ -82,7 +80,7 @@ class RenderPool:
         starts = range(0, len(rows), self.window)
         if self.pool is None:
             for w0 in starts:
-                yield self._inline(rows[w0 : w0 + self.window])
+                yield _render(self.tokenizer, self.ds, self.cfg.data, rows[w0 : w0 + self.window], self.cfg.max_length)
             return
         pending: deque = deque()
         for w0 in starts:

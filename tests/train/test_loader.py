@@ -238,6 +238,16 @@ def test_hidden_read_straight_into_batches(store):
         assert torch.equal(x.ctx_hidden, ds[(x.epoch, x.index)].ctx_hidden)
 
 
+def _fed(feeder):
+    """The feeder's micro-batches, one per step, until the loader is done."""
+    while True:
+        try:
+            (item,) = feeder.take()
+        except StopIteration:
+            return
+        yield feeder.ready(item)
+
+
 def test_batch_slots_carry_context_features(store):
     """With batch slots, workers write context features into shared slots and only the slot's number
     crosses to the trainer; through DeviceFeeder (2 slots for 2 workers: every slot reused many times,
@@ -259,12 +269,7 @@ def test_batch_slots_carry_context_features(store):
     loader = L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, steps), num_workers=2, slots=slots)
     feeder = DeviceFeeder(loader, torch.device("cpu"), per_step=1, slots=slots)
     seen = 0
-    while True:
-        try:
-            (item,) = feeder.take()
-        except StopIteration:
-            break
-        b = feeder.ready(item)
+    for b in _fed(feeder):
         ref = ds[(b.epoch, b.index)]
         assert b.slot is None and b.seq is None
         assert torch.equal(b.ctx_hidden, ref.ctx_hidden) and torch.equal(b.labels, ref.labels)
@@ -290,12 +295,7 @@ def test_feeder_brings_pinned_micro_batches_to_the_gpu(store, with_slots):
     feeder = DeviceFeeder(loader, dev, per_step=1, slots=slots)
     seen = 0
     try:
-        while True:
-            try:
-                (item,) = feeder.take()
-            except StopIteration:
-                break
-            b = feeder.ready(item)
+        for b in _fed(feeder):
             assert all(t.device.type == "cuda" for t in b.tensors()) and b.ctx_hidden is not None
             ref = ds[(b.epoch, b.index)].to(dev)
             for name in ("ctx_hidden", "ctx_positions", "labels", "loss_weight", "label_index", "sample_ids"):
