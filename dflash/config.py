@@ -135,6 +135,10 @@ class TrainConfig:
     # loss
     gamma: float | None = opt(None, "Position weight decay exp(-(k-1)/gamma); default 7 for B=16, 5 for B=10, "
                               "4 for B=8, else B/2-1.")
+    labels: str = opt("data", "What a block position is trained to predict: data = the dataset's next token; "
+                      "target = the target's own greedy next token (the store's top-1), what the engine accepts, "
+                      "for data the target did not write (docs/DESIGN.md §3). Needs a store with --topk.",
+                      ("data", "target"))
     kd_weight: float = opt(0.0, "Weight of the KD term against the stored top-k.")
     kd_temperature: float = opt(1.0, "Temperature of the KD term.")
     loss_norm: str = opt("step", "Loss normalisation: step = the weighted mean over every label of the optimizer "

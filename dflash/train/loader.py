@@ -74,6 +74,14 @@ def block_targets(input_ids: np.ndarray, loss_mask: np.ndarray, anchors: np.ndar
                 pos_in_block=kk, source=pos_c - 1)  # source: where the target predicted this label
 
 
+def target_labels(blocks: dict[str, np.ndarray], topk_ids: np.ndarray) -> np.ndarray:
+    """The block stream's labels replaced by the target's greedy token where it predicted them: the
+    store's top-1 at `source` (top-k is stored sorted), the same positions supervised."""
+    labels = blocks["labels"]
+    top1 = topk_ids[np.maximum(blocks["source"], 0), 0].astype(labels.dtype)
+    return np.where(labels != IGNORE, top1, IGNORE)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the epoch plan
 
@@ -131,13 +139,15 @@ class PackedDataset(torch.utils.data.Dataset):
         # Store.read_hidden_into); other stores (fp8) are read and dequantised here.
         direct = getattr(self.store, "hidden_dtype", None) == "bf16" and hasattr(self.store, "read_hidden_into")
         fields = ["input_ids", "loss_mask"] + ([] if direct else ["hidden"])
-        fields += ["topk_ids", "topk_logprobs"] if spec.kd else []
+        fields += ["topk_ids", "topk_logprobs"] if spec.kd or spec.target_labels else []
         d = self.store.read(sid, fields=fields)
         T = min(len(d["input_ids"]), spec.s_shapes[-1])  # longer samples are cut to the row budget
         ids = d["input_ids"][:T].numpy()
         lm = d["loss_mask"][:T].numpy().astype(bool)
         anchors = draw_anchors(lm, int(self.max_blocks[idx]), spec.seed, epoch, sid)
         blocks = block_targets(ids, lm, anchors, spec.block_size, spec.mask_token_id, self.weights)
+        if spec.target_labels:
+            blocks["labels"] = target_labels(blocks, d["topk_ids"][:T].numpy())
         out = dict(sid=sid, T=T, hidden=None if direct else d["hidden"][:T], anchors=anchors, **blocks)
         if spec.kd:
             src = torch.from_numpy(np.maximum(blocks["source"], 0))

@@ -268,6 +268,10 @@ def _checked_store(cfg: TrainConfig, identity: dict):
     if cfg.kd_weight > 0 and not store.topk:
         raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
                           "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
+    if cfg.labels == "target" and not store.topk:
+        raise ConfigError(f"--labels target trains on the target's greedy tokens, its stored top-1, but store "
+                          f"{cfg.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
+                          "train with --labels data.")
     if cfg.eval_every:
         if not cfg.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
@@ -326,6 +330,7 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
         kd=cfg.kd_weight > 0,
+        target_labels=cfg.labels == "target",
         skip_damaged=cfg.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )

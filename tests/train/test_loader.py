@@ -196,6 +196,27 @@ def test_batches_from_a_real_store(store):
     assert torch.equal(b.ctx_hidden[0, :T], d["hidden"][:T])
 
 
+def test_target_labels_are_the_stored_top1(store):
+    """--labels target: every supervised position is labelled with the target's greedy token (top-1 at the
+    position before it), the same positions as --labels data; inputs and weights do not change."""
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4, mask_token_id=7)
+    data = L.PackedDataset(store, spec)[(0, 0)]
+    tgt = L.PackedDataset(store, L.LoaderSpec(**{**spec.__dict__, "target_labels": True}))[(0, 0)]
+    assert torch.equal(data.block_input_ids, tgt.block_input_ids) and torch.equal(data.loss_weight, tgt.loss_weight)
+    assert torch.equal(data.labels == IGNORE, tgt.labels == IGNORE)
+    d = store.read(int(tgt.sample_ids[0]))  # the first sample of row 0 holds its first blocks
+    a0 = int(tgt.block_positions[0, 0])
+    checked = 0
+    for k in range(1, spec.block_size):
+        if int(tgt.labels[0, k]) != IGNORE:
+            assert int(tgt.labels[0, k]) == int(d["topk_ids"][a0 + k - 1, 0])
+            checked += 1
+    assert checked >= 1
+    # the target here was never taught the data: its greedy tokens are not the data's
+    supervised = tgt.labels != IGNORE
+    assert (tgt.labels[supervised] != data.labels[supervised]).any()
+
+
 def test_workers_build_batches(store):
     """Through a real DataLoader with a worker process: same batches as built in-process."""
     spec = _spec(token_budget=256, block_budget=128, num_anchors=4)

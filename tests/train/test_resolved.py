@@ -43,6 +43,19 @@ def test_the_init_record_is_replaced_not_edited(tiny_store, tmp_path):
     assert preflight(_cfg(tiny_store, tmp_path / "plain")).with_init_applied("x").drafter_init is None
 
 
+def test_target_labels_need_a_store_with_topk(tiny_target, tmp_path):
+    """--labels target reads the store's top-1: a store made with --topk 0 is refused, naming both ways out."""
+    from helpers import build_store, make_conversations_jsonl
+
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 6)
+    store = build_store(tmp_path / "store", tiny_target, data, topk=0)
+    cfg = _cfg((tiny_target, data, store), tmp_path / "run", labels="target")
+    with pytest.raises(ConfigError, match=r"--labels target .* --topk 0; precompute with --topk K .* --labels data"):
+        preflight(cfg)
+    assert preflight(dataclasses.replace(cfg, labels="data")).spec.target_labels is False
+    assert preflight(_cfg((tiny_target, data, store), tmp_path / "r2")).spec.kd is False
+
+
 def _rank(rank: int, init: str, cfg: TrainConfig, out) -> None:
     import torch.distributed as dist
 
