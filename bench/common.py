@@ -51,7 +51,10 @@ QWEN3_32B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
 # attention shape; bench/hybrid_27b.py adds the linear-attention fields for the target itself.
 QWEN36_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
                   head_dim=256, intermediate_size=17408, vocab_size=248320, target_layer_ids=[1, 16, 31, 46, 61])
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B, "qwen3.6-27b": QWEN36_27B}
+# SmolLM2-135M-Instruct (examples/smollm2): the real target of docs/RECIPE.md; a drafter of its width.
+SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64, intermediate_size=1536, vocab_size=49152, target_layer_ids=[1, 14, 27])
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B, "qwen3.6-27b": QWEN36_27B}
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, vocab_size=1000, target_layer_ids=[1, 2])
 

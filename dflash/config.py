@@ -194,6 +194,10 @@ class EvalConfig:
     plots: bool = opt(True, "Write PNG plots beside the JSON.")
     max_samples: int | None = opt(None, "Evaluate at most N samples or prompts.")
     max_new_tokens: int = opt(128, "Tokens to generate per prompt (online).")
+    reference: str | None = opt(None, "Online: a JSON file of the target-only greedy outputs, reused when it was "
+                                "made from the same target, prompt tokens, --max-new-tokens, dtype and device "
+                                "kind (written when absent or stale): evaluating many checkpoints then decodes "
+                                "the target alone once.")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
     dtype: str = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
@@ -224,7 +228,9 @@ class GenerateConfig:
     endpoint: str | None = opt(None, "Base URL of an OpenAI-compatible server (vLLM, SGLang, `transformers "
                                "serve`), e.g. http://127.0.0.1:8000/v1; default: generate in-process.")
     model: str | None = opt(None, "Model name on the server; default the one it lists, when it lists one.")
-    gpus: str = opt("auto", "In-process: 'auto' (CUDA when present), 'cpu', or GPU ids '0,1' (one process each).")
+    gpus: str = opt("auto", "In-process: 'auto' (CUDA when present), 'cpu', or GPU ids '0,1' (one process each; an "
+                    "id may repeat, '0,0,0,0' = four processes on GPU 0, for a small target whose generate "
+                    "loop leaves the GPU idle).")
     dtype: str = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.", ("auto", "bf16", "fp32"))
     batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")

@@ -14,6 +14,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +23,9 @@ from tqdm import tqdm
 from dflash.config import EvalConfig
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.train.heldout import offline_tau, summarize
+
+if TYPE_CHECKING:
+    from dflash.evaluate.reference import ReferenceFile
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +76,7 @@ def _margin(target, prompt: torch.Tensor, ref: list[int], got: list[int], at: in
 
 @torch.no_grad()
 def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
-                propose=None, progress: bool = True) -> dict:
+                propose=None, progress: bool = True, reference: ReferenceFile | None = None) -> dict:
     """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality."""
     from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
@@ -81,12 +85,19 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
     # Warm-up (kernels, allocator, lazy inits) so that neither side pays it inside the timing.
     greedy_generate(target, as_ids[0], min(8, max_new_tokens), eos_ids)
     speculative_generate(target, drafter, as_ids[0], min(8, max_new_tokens), eos_ids, propose=propose)
+    refs = reference.load() if reference is not None else None
+    reused = refs is not None
+    refs = refs or []
     taus: list[int] = []
     base_s = spec_s = 0.0
     base_n = spec_n = 0
     mismatches = []
     for i, ids in enumerate(tqdm(as_ids, desc="speculative decoding", unit="prompt", disable=not progress)):
-        ref = greedy_generate(target, ids, max_new_tokens, eos_ids)
+        if reused:
+            ref = refs[i]
+        else:
+            ref = greedy_generate(target, ids, max_new_tokens, eos_ids)
+            refs.append(ref)
         got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, propose=propose)
         base_s, base_n = base_s + ref.seconds, base_n + len(ref.tokens)
         spec_s, spec_n = spec_s + got.seconds, spec_n + len(got.tokens)
@@ -97,6 +108,8 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
             mismatches.append({"prompt": i, "first_difference": at, "target_only": ref.tokens[at : at + 8],
                                "speculative": got.tokens[at : at + 8],
                                "logit_margin": _margin(target, ids, ref.tokens, got.tokens, at)})
+    if reference is not None and not reused:
+        reference.save(refs)
     B = drafter.config.block_size
     out = summarize(np.asarray(taus), B)
     base_tps, spec_tps = base_n / max(base_s, 1e-9), spec_n / max(spec_s, 1e-9)
@@ -109,6 +122,7 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
         tokens_per_s_speculative=spec_tps,
         speedup=spec_tps / base_tps if base_tps else None,
         tokens_per_target_forward=spec_n / max(len(taus) + len(prompts), 1),
+        reference=None if reference is None else {"path": str(reference.path), "reused": reused},
     )
     return out
 
@@ -218,8 +232,13 @@ def run_eval(cfg: EvalConfig) -> dict:
         target = load_target(target_dir, dtype, device)
         drafter.to(device=device, dtype=dtype)
         prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples)
+        reference = None
+        if cfg.reference:
+            from dflash.evaluate.reference import ReferenceFile
+
+            reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
         online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
-                             eos_ids=eos_token_ids(target, tokenizer))
+                             eos_ids=eos_token_ids(target, tokenizer), reference=reference)
         online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
         result["online"] = online
         result["lossless"] = online["lossless"]

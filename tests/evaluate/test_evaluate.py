@@ -264,3 +264,34 @@ def test_drafting_in_the_loop_matches_the_training_forward(setup):
         with torch.no_grad():
             out = drafter(ctx, blk, torch.arange(S)[None], bpos, mask)
         torch.testing.assert_close(out[0, :B], h[0], atol=1e-4, rtol=1e-4)
+
+
+def test_reference_file_is_written_once_reused_and_really_compared(setup, tmp_path):
+    """--reference: the first eval writes the target-only outputs, the next reuses them (same result); the
+    reused tokens are what speculative decoding is checked against (a doctored file shows a mismatch);
+    other inputs (here --max-new-tokens) make it stale and it is rewritten."""
+    from dflash.evaluate.reference import ReferenceFile
+    from dflash.evaluate.run import online_eval
+    from dflash.target_model.files import target_identity
+
+    target_dir, target, tok, prompts, _ = setup
+    drafter = make_drafter(target, tok)
+    ident = target_identity(target_dir)
+    path = tmp_path / "ref.json"
+    ref = ReferenceFile(path, ident, prompts, 24, "fp32", "cpu")
+    first = online_eval(target, drafter, prompts, max_new_tokens=24, eos_ids=set(), progress=False, reference=ref)
+    assert first["reference"] == {"path": str(path), "reused": False} and path.is_file()
+    again = online_eval(target, drafter, prompts, max_new_tokens=24, eos_ids=set(), progress=False,
+                        reference=ReferenceFile(path, ident, prompts, 24, "fp32", "cpu"))
+    assert again["reference"]["reused"] is True
+    assert again["lossless"] and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
+    doctored = json.loads(path.read_text())
+    doctored["generations"][1]["tokens"][5] = (doctored["generations"][1]["tokens"][5] + 1) % len(tok)
+    path.write_text(json.dumps(doctored))
+    bad = online_eval(target, drafter, prompts, max_new_tokens=24, eos_ids=set(), progress=False,
+                      reference=ReferenceFile(path, ident, prompts, 24, "fp32", "cpu"))
+    assert not bad["lossless"] and [m["prompt"] for m in bad["mismatches"]] == [1]
+    stale = ReferenceFile(path, ident, prompts, 16, "fp32", "cpu")
+    assert stale.load() is None
+    fresh = online_eval(target, drafter, prompts, max_new_tokens=16, eos_ids=set(), progress=False, reference=stale)
+    assert fresh["reference"]["reused"] is False and fresh["lossless"] and stale.load() is not None
