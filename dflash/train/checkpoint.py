@@ -190,7 +190,7 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     return model_state, drafter_config, train_state, train_config
 
 
-_ARCH_NAMES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
+_ARCH_NAMES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
 _DFLASH2_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
