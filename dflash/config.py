@@ -209,6 +209,9 @@ class EvalConfig:
     dtype: str = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
                      "serving speed.", ("fp32", "bf16"))
     seed: int = opt(0, "Seed of the held-out anchors.")
+    confidence_threshold: float = opt(0.5, "Online, --arch dspark: also decode with the confidence head choosing "
+                                      "the drafts to verify (survival probability >= this, as vLLM's "
+                                      "dspark_confidence_threshold); tau both ways in the JSON; 0 = off.")
 
 
 @dataclass
