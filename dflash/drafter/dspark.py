@@ -116,7 +116,7 @@ class ConfidenceHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         x = torch.cat([hidden, embedded.to(hidden.dtype)], -1) if self.with_markov else hidden
-        return self.proj(x).float().squeeze(-1)
+        return self.proj(x.to(self.proj.weight.dtype)).float().squeeze(-1)  # bf16 features, fp32 weights on GPU
 
 
 class DSparkDrafter(DFlashDrafter):

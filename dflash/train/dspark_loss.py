@@ -88,7 +88,8 @@ def dspark_block_loss(drafter, hidden, lm_head, labels, loss_weight, prev, *, bl
     R, Q, H = hidden.shape
     flat = labels.reshape(-1)
     sel = label_index if label_index is not None else (flat != IGNORE).nonzero().squeeze(1)
-    h = hidden.reshape(-1, H).index_select(0, sel)
+    # The head runs in its own dtype (bf16 on GPU), as block_loss runs it: no fp32 copy of [V, H] per chunk.
+    h = hidden.reshape(-1, H).index_select(0, sel).to(lm_head.dtype)
     y = flat.index_select(0, sel)
     p_ = prev.reshape(-1).index_select(0, sel)
     w = loss_weight.reshape(-1).index_select(0, sel).float() * (p_ != IGNORE)
@@ -131,7 +132,7 @@ def dspark_predictions(drafter, hidden, lm_head, labels, prev, chunk: int = 4096
     the first miss they are the served walk's, so the acceptance length they give is the served one."""
     flat = labels.reshape(-1)
     sel = (flat != IGNORE).nonzero().squeeze(1)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel).to(lm_head.dtype)
     p_ = prev.reshape(-1).index_select(0, sel).clamp_min(0)
     out = torch.full_like(flat, -1)
     preds = torch.cat([drafter.head_logits(h[i:i + chunk], lm_head, p_[i:i + chunk]).argmax(-1)
