@@ -1,7 +1,11 @@
 """One real training step of a Qwen3-8B-shaped DFlash drafter (5 layers unless --layers) on one GPU, against the baseline
 that builds its BlockMask with `create_block_mask` every step.
 
-    python bench/train_step.py [--tiny] [--steps 20] [--warmup 3]
+    python bench/train_step.py [--tiny] [--steps 20] [--warmup 3] [--arch dflash|dflash2|dspark]
+
+`--arch dspark` times the DSpark step (Markov and confidence heads, CE + distance to the target's full
+distribution from random final hidden states, or `--tv-source topk`) at the same shape: compare the `flex`
+entry of $OUT/train_step_dspark.json with $OUT/train_step.json's.
 
 The batches are built by the real loader code (`loader.PackedDataset.build`: anchors, labels, loss weights,
 `masks.mask_metadata` per row on the CPU) over an in-memory stand-in for a store (random hidden states), then
@@ -76,10 +80,14 @@ class Bench:
         self.tcfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, lr=1e-4, weight_decay=0.0,
                                 betas=(0.9, 0.95), grad_clip=1.0, lm_head_chunk=args.lm_head_chunk,
                                 compile="on" if self.compiled else "off", loss_kernel="compiled",
-                                arch=getattr(args, "arch", "dflash"), loss=getattr(args, "loss", "ce"))
+                                arch=getattr(args, "arch", "dflash"), loss=getattr(args, "loss", "ce"),
+                                tv_source=getattr(args, "tv_source", "final_hidden"))
+        # --arch dspark: the target's final norm for the TV term's target distribution (docs/DESIGN.md §12)
+        final_norm = (torch.ones(H, device=device, dtype=dt) if self.tcfg.arch == "dspark"
+                      and self.tcfg.tv_source == "final_hidden" else None)
         with torch.device(device):  # random init straight on the GPU
             self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8,
-                                        flex_kernel_options=flex_kernel_options)
+                                        flex_kernel_options=flex_kernel_options, final_norm=final_norm)
         self.raw, self.opt = self.train_step.raw, self.train_step.optimizer
         self.embed, self.head = embed, head
         self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
@@ -236,6 +244,19 @@ def profile_steps(bench: Bench, batches, R: int, tag: str | None = None) -> None
     (out_dir() / f"train_profile_{tag or f'R{R}'}.txt").write_text(table)
 
 
+def dspark_targets(b, H: int, tv_source: str, vocab: int, seed: int, k: int = 64):
+    """Micro-batch `b` with what an --arch dspark step reads beside it: random final hidden states [R, Q, H]
+    (bf16, as the loader packs them) or a random stored top-k [R, Q, k]."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(seed)
+    R, Q = b.labels.shape
+    if tv_source == "final_hidden":
+        return dataclasses.replace(b, final_hidden=torch.randn(R, Q, H, generator=g).to(torch.bfloat16))
+    ids = torch.randint(0, vocab, (R, Q, k), generator=g)
+    return dataclasses.replace(b, topk_ids=ids, topk_logprobs=torch.randn(R, Q, k, generator=g).log_softmax(-1))
+
+
 def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: int, args, baseline: bool) -> None:
     B = bench.cfg.block_size
     width = bench.cfg.num_features * bench.cfg.hidden_size
@@ -244,6 +265,9 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
     window = bench.cfg.sliding_window if bench.cfg.has_sliding else None
     batches, calls, build_s = build_batches(args.batches, R, S, Q, k, B, width, bench.cfg.vocab_size, seed=R * 7 + k,
                                             sliding_window=window)
+    if bench.tcfg.arch == "dspark":
+        batches = [dspark_targets(b, bench.cfg.hidden_size, bench.tcfg.tv_source, bench.cfg.vocab_size, i)
+                   for i, b in enumerate(batches)]
     if cuda:
         batches = [pin(b) for b in batches]
     res.set(f"{key}_config", {"rows_per_batch": R, "S": S, "Q": Q, "samples_per_row": k, "block_size": B,
@@ -321,7 +345,10 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--lm-head-chunk", type=int, default=2048)
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"], help="drafter (dflash2: $OUT/train_step_dflash2.json)")
+    ap.add_argument("--arch", default="dflash", choices=["dflash", "dflash2", "dspark"],
+                    help="drafter (dflash2 / dspark: $OUT/train_step_<arch>.json; compare its `flex` step with dflash's)")
+    ap.add_argument("--tv-source", default="final_hidden", choices=["final_hidden", "topk"],
+                    help="--arch dspark: the TV term's target distribution (full from final hidden states, or top-64)")
     ap.add_argument("--loss", default="ce", choices=["ce", "dpace"], help="position weights of the trainer's step")
     ap.add_argument("--profile", action="store_true", default=os.environ.get("BENCH_PROFILE") == "1",
                     help="also write a kernel-time profile of 3 steps to $OUT/train_profile_R1.txt")
@@ -340,13 +367,15 @@ def main() -> None:
     args.steps = args.steps or (3 if tiny else 20)
     args.batches = args.batches or (2 if tiny else 4)
     S, Q, k = (512, 256, 4) if tiny else (4096, 4096, 4)
-    res = Results("train_step" if args.arch == "dflash" else f"train_step_{args.arch}", tiny=tiny, device=device,
+    suffix = f"_{args.tv_source}" if args.arch == "dspark" and args.tv_source != "final_hidden" else ""
+    res = Results("train_step" if args.arch == "dflash" else f"train_step_{args.arch}{suffix}", tiny=tiny, device=device,
                   limit_s=limit)
     t = time.perf_counter()
     bench = Bench(args, tiny, device)
     res.set("model_build_s", round(time.perf_counter() - t, 1))
     if not args.rows_only:
-        run_config(res, bench, "flex", 1, S, Q, k, args, baseline=True)
+        # the create_block_mask / pre-fusion baselines time block_loss, DFlash's loss: not DSpark's
+        run_config(res, bench, "flex", 1, S, Q, k, args, baseline=args.arch != "dspark")
     # Larger micro-batches (R packed rows) for MFU headroom, each if the part's time allows a compile.
     args.steps, args.warmup = max(3, args.steps // 2), 2
     for R in [int(x) for x in args.rows.split(",") if x.strip()]:

@@ -149,8 +149,9 @@ class TrainConfig:
     loss_kernel: str = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
                            "off; elsewhere it falls back) or torch.compile'd.", ("triton", "compiled"))
     # DFlash2 and D-PACE (docs/DESIGN.md §11)
-    arch: str = opt("dflash", "Drafter: dflash, or dflash2 (grouped dynamic block convolutions and a top-K candidate "
-                    "selector; exported as DFlash2DraftModel).", ("dflash", "dflash2"))
+    arch: str = opt("dflash", "Drafter: dflash; dflash2 (grouped dynamic block convolutions and a top-K candidate "
+                    "selector; exported as DFlash2DraftModel); dspark (a Markov head and a confidence head; exported "
+                    "as Qwen3DSparkModel, docs/DESIGN.md §12).", ("dflash", "dflash2", "dspark"))
     loss: str = opt("ce", "Per-position weights of the cross-entropy: ce = the exp(-(k-1)/gamma) decay; dpace = "
                     "D-PACE's, from the drafter's own per-token CE (arXiv 2605.18810).", ("ce", "dpace"))
     dpace_alpha: float = opt(0.5, "--loss dpace: smoothing of each position's probability, (1-alpha) p + alpha.")
@@ -159,6 +160,19 @@ class TrainConfig:
     selector_rank: int = opt(256, "--arch dflash2: rank of the candidate selector's transition.")
     selector_top_k: int = opt(16, "--arch dflash2: lm_head candidates the selector reranks per position.")
     selector_loss_weight: float = opt(1.0, "--arch dflash2: weight of the selector's K-way cross-entropy term.")
+    # DSpark (docs/DESIGN.md §12)
+    markov_rank: int = opt(256, "--arch dspark: rank of the Markov head's previous-token logit bias.")
+    enable_confidence_head: bool = opt(True, "--arch dspark: train the confidence head (P(accept) per position).")
+    confidence_head_with_markov: bool = opt(True, "--arch dspark: the confidence head also reads the Markov "
+                                            "embedding of the previous token.")
+    dspark_ce_weight: float = opt(0.1, "--arch dspark: weight of the cross-entropy term (DeepSpec's 0.1).")
+    dspark_tv_weight: float = opt(0.9, "--arch dspark: weight of the distance to the target's distribution, "
+                                  "sum |q - p| = 2 TV, as DeepSpec computes it (0.9).")
+    dspark_confidence_weight: float = opt(1.0, "--arch dspark: weight of the confidence head's BCE against "
+                                          "1 - TV, the acceptance probability.")
+    tv_source: str = opt("final_hidden", "--arch dspark: the target distribution p: final_hidden = the full "
+                         "distribution recomputed from the store's final hidden state (precompute --final-hidden); "
+                         "topk = the stored top-k, renormalised.", ("final_hidden", "topk"))
     # systems
     parallel: str = opt("ddp", "Data parallelism.", ("ddp", "fsdp"))
     ddp_overlap: bool = opt(True, "DDP: all-reduce gradients during the backward (else after it).")
@@ -203,6 +217,9 @@ class EvalConfig:
     dtype: str = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
                      "serving speed.", ("fp32", "bf16"))
     seed: int = opt(0, "Seed of the held-out anchors.")
+    confidence_threshold: float = opt(0.5, "Online, --arch dspark: also decode with the confidence head choosing "
+                                      "the drafts to verify (survival probability >= this, as vLLM's "
+                                      "dspark_confidence_threshold); tau both ways in the JSON; 0 = off.")
 
 
 @dataclass

@@ -49,7 +49,8 @@ def teach_counting(target: Path, rows: list[dict], steps: int = 30, seed: int = 
     return target
 
 
-def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, teach: bool = True) -> tuple[Path, Path]:
+def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, teach: bool = True,
+                         final_hidden: bool = False) -> tuple[Path, Path]:
     """(target dir, store dir): stage one run for real (dflash.precompute.run) over counting conversations."""
     tmp = Path(tmp)
     rows = counting_conversations(n)
@@ -63,5 +64,5 @@ def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, t
     from dflash.precompute.run import run_precompute
 
     run_precompute(PrecomputeConfig(target=str(target), data=str(data), out=str(store), shards=1, gpus="cpu",
-                                    max_length=256, topk=topk, target_layers=list(layers)))
+                                    max_length=256, topk=topk, target_layers=list(layers), final_hidden=final_hidden))
     return target, store

@@ -3,11 +3,12 @@
     config.py     DrafterConfig and its round trip through the export's config.json
     dflash.py     the DFlash drafter (z-lab's DFlashDraftModel) and its building blocks
     dflash2.py    DFlash2: DFlash plus dynamic convolutions and a candidate selector (docs/DESIGN.md §11)
+    dspark.py     DSpark: DFlash plus a Markov head and a confidence head (docs/DESIGN.md §12)
     masks.py      a packed row's block-sparse attention masks, as pure functions of its ranges
     attention.py  attention under those masks, and the one choice of how it is computed
 
 A variant is its drafter class: `arch` (its --arch name), `config_cls`, `knobs` (its own config fields),
-`selects_candidates`, `propose` and `export_keys` say what the callers need to know of it.
+`selects_candidates`, `dspark_heads`, `propose` and `export_keys` say what the callers need to know of it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from dflash.drafter.config import DrafterConfig
 from dflash.drafter.dflash import DFlashDrafter
 from dflash.drafter.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
 from dflash.drafter.dflash2 import DFlash2Config, DFlash2Drafter
+from dflash.drafter.dspark import ARCHITECTURE as DSPARK_ARCHITECTURE
+from dflash.drafter.dspark import DSparkConfig, DSparkDrafter
 
-VARIANTS: dict[str, type[DFlashDrafter]] = {v.arch: v for v in (DFlashDrafter, DFlash2Drafter)}
+VARIANTS: dict[str, type[DFlashDrafter]] = {v.arch: v for v in (DFlashDrafter, DFlash2Drafter, DSparkDrafter)}
 ARCHS = tuple(VARIANTS)
 
 
@@ -34,19 +37,23 @@ def arch_of(cfg: DrafterConfig) -> str:
 
 
 def build_drafter(cfg: DrafterConfig, flex_kernel_options: dict | None = None) -> DFlashDrafter:
-    """The drafter of `cfg`'s variant (DFlashDrafter or DFlash2Drafter), freshly initialised."""
+    """The drafter of `cfg`'s variant (DFlashDrafter, DFlash2Drafter or DSparkDrafter), freshly initialised."""
     return variant_of(cfg)(cfg, flex_kernel_options)
 
 
 def config_from_hf_dict(d: dict) -> DrafterConfig:
-    """DrafterConfig or DFlash2Config, by `architectures` (what the engines dispatch on too)."""
-    if DFLASH2_ARCHITECTURE in (d.get("architectures") or ()):
+    """DrafterConfig, DFlash2Config or DSparkConfig, by `architectures` (what the engines dispatch on too;
+    SpecForge names a DSpark drafter DSparkDraftModel)."""
+    names = d.get("architectures") or ()
+    if DFLASH2_ARCHITECTURE in names:
         return DFlash2Config.from_hf_dict(d)
+    if DSPARK_ARCHITECTURE in names or "DSparkDraftModel" in names:
+        return DSparkConfig.from_hf_dict(d)
     return DrafterConfig.from_hf_dict(d)
 
 
 def with_arch(cfg: DrafterConfig, arch: str, **knobs) -> DrafterConfig:
-    """`cfg` (a DFlash config) as the drafter `arch` asks for; knobs are DFlash2Config's own fields."""
+    """`cfg` (a DFlash config) as the drafter `arch` asks for; knobs are the variant's own config fields."""
     if arch not in VARIANTS:
         raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
     if arch == "dflash":
@@ -65,5 +72,6 @@ def export_keys(cfg: DrafterConfig) -> list[str]:
     return variant_of(cfg).export_keys(cfg)
 
 
-__all__ = ["ARCHS", "VARIANTS", "DFlash2Config", "DFlash2Drafter", "DFlashDrafter", "DrafterConfig", "arch_of",
+__all__ = ["ARCHS", "VARIANTS", "DFlash2Config", "DFlash2Drafter", "DFlashDrafter", "DSparkConfig", "DSparkDrafter",
+           "DrafterConfig", "arch_of",
            "build_drafter", "config_for", "config_from_hf_dict", "export_keys", "variant_of", "with_arch"]

@@ -210,6 +210,8 @@ class DFlashDrafter(nn.Module):
     # Whether the proposals come from a trained candidate selector (DFlash2), not lm_head's argmax: the
     # selector is trained and measured outside the forward (dflash.train.objectives).
     selects_candidates = False
+    # Whether it has DSpark's Markov and confidence heads, trained by dflash.train.dspark_loss.
+    dspark_heads = False
 
     def __init__(self, cfg: DrafterConfig, flex_kernel_options: dict | None = None):
         super().__init__()

@@ -234,9 +234,28 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     if ref.selects_candidates:  # DFlash2: the served proposals of the same blocks must agree too
         h, anchor = ref(*batch)[:, 1 : cfg.block_size], torch.zeros(1, dtype=torch.long)
         fields = fields and bool((exported.propose(h, lm_head, anchor) == ref.propose(h, lm_head, anchor)).all())
+    if ref.dspark_heads:  # DSpark: the heads too, on the same blocks
+        head_diff, same = _dspark_heads_diff(exported, ref, batch, lm_head)
+        diff, fields = max(diff, head_diff), fields and same
     ok = diff <= 1e-4 * max(1.0, scale) and fields
     return {"ok": ok, "max_abs_logit_diff": diff, "max_abs_logit": scale, "config_round_trip": fields,
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+
+def _dspark_heads_diff(exported, ref, batch, lm_head) -> tuple[float, bool]:
+    """(max |difference| of the Markov-biased logits and the confidence logits after random predecessors,
+    whether the served walks propose the same tokens) of two DSpark drafters on `batch`."""
+    B = ref.config.block_size
+    ha, hb = exported(*batch)[:, 1:B], ref(*batch)[:, 1:B]
+    prev = torch.randint(0, ref.config.vocab_size, ha.shape[:2], generator=torch.Generator().manual_seed(2))
+    diff = float((exported.head_logits(ha, lm_head, prev) - ref.head_logits(hb, lm_head, prev)).abs().max())
+    ca, cb = exported.confidence(ha, prev), ref.confidence(hb, prev)
+    if (ca is None) != (cb is None):
+        return diff, False
+    if ca is not None:
+        diff = max(diff, float((ca - cb).abs().max()))
+    anchor = torch.zeros(1, dtype=torch.long)
+    return diff, bool((exported.propose(ha, lm_head, anchor) == ref.propose(hb, lm_head, anchor)).all())
 
 
 def _lm_head_of(train_config: dict):

@@ -76,8 +76,14 @@ def _margin(target, prompt: torch.Tensor, ref: list[int], got: list[int], at: in
 
 @torch.no_grad()
 def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
-                propose=None, progress: bool = True, reference: ReferenceFile | None = None) -> dict:
-    """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality."""
+                propose=None, progress: bool = True, confidence_threshold: float | None = None,
+                reference: ReferenceFile | None = None) -> dict:
+    """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality.
+
+    A DSpark drafter with a confidence head is decoded a second time with `confidence_threshold`, its
+    confidence choosing how many drafts the target verifies (as vLLM's dspark_confidence_threshold): the
+    result's `confidence` entry reports tau, drafts verified per step and losslessness of that decoding.
+    `reference` keeps the target-only outputs across evals (dflash.evaluate.reference)."""
     from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     device = next(target.parameters()).device
@@ -113,6 +119,9 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
     B = drafter.config.block_size
     out = summarize(np.asarray(taus), B)
     base_tps, spec_tps = base_n / max(base_s, 1e-9), spec_n / max(spec_s, 1e-9)
+    if confidence_threshold is not None and getattr(drafter, "confidence_head", None) is not None:
+        out["confidence"] = _confidence_pass(target, drafter, as_ids, refs, max_new_tokens, eos_ids,
+                                             confidence_threshold, progress)
     out.update(
         lossless=not mismatches,
         mismatches=mismatches,
@@ -124,6 +133,25 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
         tokens_per_target_forward=spec_n / max(len(taus) + len(prompts), 1),
         reference=None if reference is None else {"path": str(reference.path), "reused": reused},
     )
+    return out
+
+
+def _confidence_pass(target, drafter, as_ids, refs, max_new_tokens: int, eos_ids: set[int], threshold: float,
+                     progress: bool) -> dict:
+    """Online decoding with the confidence head choosing the verified prefix (docs/DESIGN.md §12)."""
+    from dflash.evaluate.speculative import speculative_generate
+
+    taus, verified, lossless, n = [], [], True, 0
+    for ids, ref in zip(tqdm(as_ids, desc="speculative decoding (confidence)", unit="prompt", disable=not progress),
+                        refs):
+        got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, confidence_threshold=threshold)
+        taus += got.acceptance
+        verified += got.verified
+        lossless = lossless and got.tokens == ref.tokens
+        n += len(got.tokens)
+    out = summarize(np.asarray(taus), drafter.config.block_size)
+    out.update(threshold=threshold, lossless=lossless, drafts_verified_per_step=float(np.mean(verified)) if verified
+               else 0.0, tokens_per_target_forward=n / max(len(taus) + len(as_ids), 1))
     return out
 
 
@@ -238,10 +266,13 @@ def run_eval(cfg: EvalConfig) -> dict:
 
             reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
         online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
-                             eos_ids=eos_token_ids(target, tokenizer), reference=reference)
+                             eos_ids=eos_token_ids(target, tokenizer),
+                             confidence_threshold=cfg.confidence_threshold or None, reference=reference)
         online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
         result["online"] = online
-        result["lossless"] = online["lossless"]
+        result["lossless"] = online["lossless"] and (online.get("confidence") or {}).get("lossless", True)
+        if "confidence" in online:
+            result["tau_confidence"] = online["confidence"]["tau"]
         result["speedup"] = online["speedup"]
         if not online["lossless"]:
             lossless_failure = (

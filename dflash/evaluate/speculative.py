@@ -34,6 +34,7 @@ class Generation:
     tokens: list[int]  # generated token ids, prompt excluded
     seconds: float  # wall time of the whole generation, prefill included
     acceptance: list[int] = field(default_factory=list)  # tokens produced per target forward (speculative)
+    verified: list[int] = field(default_factory=list)  # drafts the target verified per step (speculative)
 
 
 def _sync(device: torch.device) -> None:
@@ -136,12 +137,16 @@ def speculative_generate(
     max_new_tokens: int,
     eos_ids: set[int],
     propose: ProposeHook | None = None,
+    confidence_threshold: float | None = None,
 ) -> Generation:
     """Greedy speculative decoding: the drafter proposes B-1 tokens per step, the target keeps a prefix.
 
     `drafter` is a `DFlashDrafter` on the target's device and dtype; it uses the target's own input
-    embedding and lm_head (docs/DESIGN.md §2).
+    embedding and lm_head (docs/DESIGN.md §2).  With `confidence_threshold` a DSpark drafter's confidence
+    head picks how many of its drafts the target verifies, as vLLM's `dspark_confidence_threshold` does
+    (dflash.drafter.dspark.verify_capacity); the rest are dropped unverified (docs/DESIGN.md §12).
     """
+    from dflash.drafter.dspark import verify_capacity
     from dflash.evaluate.target_cache import TargetCache
 
     cfg = drafter.config
@@ -163,6 +168,7 @@ def speculative_generate(
         draft_cache = drafter.new_cache()
         tokens, done = _finish([int(anchor)], max_new_tokens, eos_ids)
         acceptance: list[int] = []
+        verified: list[int] = []
         start, drafted = P, 0  # `start`: position of the anchor; `drafted`: context length in the draft cache
         while not done:
             block = torch.full((1, B), mask_id, dtype=torch.long, device=device)
@@ -176,11 +182,19 @@ def speculative_generate(
             )
             draft_cache.crop(start)
             drafted = start
-            # lm_head's argmax, or DFlash2's candidate selector's greedy walk, as served
-            proposals = drafter.propose(hidden[:, 1:].to(head.weight.dtype), head.weight, anchor.view(1))[0]
+            # lm_head's argmax, DFlash2's candidate selector's or DSpark's Markov walk, as served
+            h = hidden[:, 1:].to(head.weight.dtype)
+            if confidence_threshold is not None and drafter.dspark_heads:
+                proposals, conf = drafter.propose_with_confidence(h, head.weight, anchor.view(1))
+                proposals = proposals[0]
+                n_verify = int(verify_capacity(conf, confidence_threshold)[0]) if conf is not None else B - 1
+            else:
+                proposals, n_verify = drafter.propose(h, head.weight, anchor.view(1))[0], B - 1
             if propose is not None:
                 proposals = propose(start, proposals).to(device=device, dtype=torch.long)
             block[0, 1:] = proposals
+            block = block[:, : 1 + n_verify]
+            verified.append(n_verify)
 
             target_cache.before_block()
             out = target(input_ids=block, **{kw: target_cache.cache}, use_cache=True)
@@ -191,13 +205,13 @@ def speculative_generate(
             new = block[0, 1 : acc + 1].tolist() + [int(anchor)]
             tokens, done = _finish(tokens + new, max_new_tokens, eos_ids)
             context = capture.features()[:, : acc + 1]
-            if target_cache.keep(start, B, acc + 1) and not done:
+            if target_cache.keep(start, block.shape[1], acc + 1) and not done:
                 # linear-attention states were restored to `start`: advance every layer by the accepted tokens
                 target(input_ids=block[:, : acc + 1], **{kw: target_cache.cache}, use_cache=True, logits_to_keep=1)
                 context = capture.features()
             start += acc + 1
     _sync(device)
-    return Generation(tokens=tokens, seconds=time.perf_counter() - t0, acceptance=acceptance)
+    return Generation(tokens=tokens, seconds=time.perf_counter() - t0, acceptance=acceptance, verified=verified)
 
 
 __all__ = ["Generation", "LayerCapture", "greedy_generate", "speculative_generate"]

@@ -212,6 +212,24 @@ def load_embed_and_head(target_dir: str | Path) -> tuple[torch.Tensor, torch.Ten
     return embed, head
 
 
+NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "norm.weight")
+
+
+def load_final_norm(target_dir: str | Path) -> torch.Tensor:
+    """The target's final norm weight [H], read alone from safetensors (DSpark recomputes the target's
+    distribution from the pre-norm last hidden state)."""
+    from safetensors import safe_open
+
+    p = _target_dir(target_dir)
+    weight_map = _safetensors_index(p)
+    for k in NORM_KEYS:
+        if k in weight_map:
+            with safe_open(str(p / weight_map[k]), framework="pt") as f:
+                return f.get_tensor(k)
+    raise TargetError(f"target {p}: no final norm tensor ({' or '.join(NORM_KEYS)}) in its safetensors; "
+                      "--arch dspark --tv-source final_hidden needs it (or train with --tv-source topk).")
+
+
 def engine_layer_problem(target_layer_ids: list[int], num_target_layers: int) -> str | None:
     """Why vLLM / SGLang could not serve a drafter reading these target layers, with what to pass
     instead; None when they can (docs/DESIGN.md §2).  The engines capture the residual stream entering

@@ -64,6 +64,9 @@ class MicroBatch:
     """[R, Q, K] int64: the target's top-K token ids at each label's source position (--kd), else None."""
     topk_logprobs: torch.Tensor | None = None
     """[R, Q, K] float32: their log-probabilities (--kd), else None."""
+    final_hidden: torch.Tensor | None = None
+    """[R, Q, H] bf16: the target's pre-norm last hidden state at each label's source position (--arch dspark
+    with tv_source final_hidden), else None."""
     seq: int | None = None
     """Its position in the loader's order when the loader numbers batches (batch slots), else None."""
     slot: int | None = None
@@ -113,7 +116,7 @@ class Packer:
     `ctx_hidden` [R, S, L*H] is written in place (it may be a batch slot)."""
 
     def __init__(self, ctx_hidden: torch.Tensor, Q: int, block_size: int, mask_token_id: int,
-                 sliding_window: int | None = None, topk: int | None = None):
+                 sliding_window: int | None = None, topk: int | None = None, final_hidden: int | None = None):
         R, S = ctx_hidden.shape[:2]
         self.R, self.S, self.Q, self.block_size, self.sliding_window = R, S, Q, block_size, sliding_window
         self.ctx_hidden = ctx_hidden
@@ -126,6 +129,7 @@ class Packer:
         kd = topk is not None
         self.topk_ids = torch.zeros(R, Q, topk, dtype=torch.long) if kd else None
         self.topk_logprobs = torch.zeros(R, Q, topk, dtype=torch.float32) if kd else None
+        self.final_hidden = torch.zeros(R, Q, final_hidden, dtype=torch.bfloat16) if final_hidden else None
         self.metas: list[dict[str, torch.Tensor]] = []
         self.packed: list[dict] = []
         self._open_row()
@@ -152,6 +156,8 @@ class Packer:
         if self.topk_ids is not None:
             self.topk_ids[r, q0 : q0 + n] = s["topk_ids"].long()
             self.topk_logprobs[r, q0 : q0 + n] = s["topk_logprobs"].float()
+        if self.final_hidden is not None:
+            self.final_hidden[r, q0 : q0 + n] = s["final_hidden"].to(torch.bfloat16)
         self.block_sample += [len(self.starts)] * len(s["anchors"])
         self.starts.append(c0)
         self.lens.append(T)
@@ -179,6 +185,7 @@ class Packer:
             block_pos_in_block=self.block_pos_in_block,
             topk_ids=self.topk_ids,
             topk_logprobs=self.topk_logprobs,
+            final_hidden=self.final_hidden,
             mask=masks.stack_metadata(self.metas),
             label_index=(self.labels.reshape(-1) != IGNORE).nonzero().squeeze(1),
             loss_weight_sum=float(self.loss_weight.double().sum()),

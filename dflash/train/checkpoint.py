@@ -190,25 +190,27 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     return model_state, drafter_config, train_state, train_config
 
 
-_ARCH_NAMES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
-_DFLASH2_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_ARCH_NAMES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
+_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2
+          "markov_rank", "enable_confidence_head", "confidence_head_with_markov")  # DSpark
 
 
 def arch_change(checkpoint: Path, saved: dict, now: dict) -> str | None:
     """Why a run cannot resume `checkpoint` when its drafter config `saved` and this run's `now` (both
-    to_hf_dict form) differ in architecture or DFlash2 shape; None when they do not."""
+    to_hf_dict form) differ in architecture or in the variant's own shape; None when they do not."""
     def arch(d):
         names = d.get("architectures") or ["DFlashDraftModel"]
         return _ARCH_NAMES.get(names[0], names[0])
 
     def knobs(d):
-        return {k: (d.get("dflash_config") or {}).get(k) for k in _DFLASH2_KNOBS}
+        dc = d.get("dflash_config") or {}
+        return {k: dc[k] for k in _KNOBS if k in dc}
 
     if arch(saved) != arch(now):
         return (f"checkpoint {checkpoint} holds a {arch(saved)} drafter and this run asks for --arch {arch(now)}: "
                 f"their weights differ in kind; resume with --arch {arch(saved)} or start a new --out directory.")
     if knobs(saved) != knobs(now):
-        return (f"checkpoint {checkpoint} is a DFlash2 drafter with {knobs(saved)} and this run asks for "
+        return (f"checkpoint {checkpoint} is a {arch(saved)} drafter with {knobs(saved)} and this run asks for "
                 f"{knobs(now)}; resume with the checkpoint's options or start a new --out directory.")
     return None
 

@@ -115,6 +115,12 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                 from dflash.train.objectives import selector_predictions
 
                 preds = selector_predictions(drafter, hidden, lm_head, labels, b.block_input_ids, B)
+            elif drafter.dspark_heads:  # DSpark: lm_head + the Markov bias of the true previous token (§12)
+                from dflash.train.dspark_loss import dspark_predictions
+                from dflash.train.objectives import previous_tokens
+
+                preds = dspark_predictions(drafter, hidden, lm_head, labels,
+                                           previous_tokens(labels, b.block_input_ids, B))
             else:
                 preds = _greedy(hidden, lm_head, labels)
             tau, right, valid = block_acceptance(preds, labels, B)

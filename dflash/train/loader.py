@@ -140,6 +140,7 @@ class PackedDataset(torch.utils.data.Dataset):
         direct = getattr(self.store, "hidden_dtype", None) == "bf16" and hasattr(self.store, "read_hidden_into")
         fields = ["input_ids", "loss_mask"] + ([] if direct else ["hidden"])
         fields += ["topk_ids", "topk_logprobs"] if spec.kd or spec.target_labels else []
+        fields += ["final_hidden"] if spec.final_hidden else []
         d = self.store.read(sid, fields=fields)
         T = min(len(d["input_ids"]), spec.s_shapes[-1])  # longer samples are cut to the row budget
         ids = d["input_ids"][:T].numpy()
@@ -153,6 +154,8 @@ class PackedDataset(torch.utils.data.Dataset):
             src = torch.from_numpy(np.maximum(blocks["source"], 0))
             out["topk_ids"] = d["topk_ids"][:T][src]
             out["topk_logprobs"] = d["topk_logprobs"][:T][src]
+        if spec.final_hidden:  # DSpark's TV term: the target's state where it predicted each label
+            out["final_hidden"] = d["final_hidden"][:T][torch.from_numpy(np.maximum(blocks["source"], 0))]
         return out
 
     def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> MicroBatch:
@@ -166,8 +169,9 @@ class PackedDataset(torch.utils.data.Dataset):
                 and self.slots.fits(shape, hidden_dtype)):
             slot = self.slots.acquire(seq)
         ctx = self.slots.view(slot, shape, hidden_dtype) if slot is not None else _batch_tensor(shape, hidden_dtype)
+        final = self.store.hidden_size if self.spec.final_hidden else None
         packer = Packer(ctx, Q, self.spec.block_size, self.spec.mask_token_id,
-                        sliding_window=self.spec.sliding_window, topk=K if self.spec.kd else None)
+                        sliding_window=self.spec.sliding_window, topk=K if self.spec.kd else None, final_hidden=final)
         for row in samples:
             for s in row:
                 try:

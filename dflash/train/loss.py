@@ -49,6 +49,8 @@ class LossOutput:
     valid: torch.Tensor  # [B] int64: valid labels per block position
     tau_sum: torch.Tensor  # sum over blocks of acceptance length (1 + leading correct predictions)
     num_blocks: torch.Tensor  # blocks with a label at position 1 (every real block)
+    tv_sum: torch.Tensor | None = None  # --arch dspark (dflash.train.dspark_loss): sum of w * sum|q - p|
+    conf_sum: torch.Tensor | None = None  # --arch dspark: sum of w * the confidence head's BCE
 
 
 def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):

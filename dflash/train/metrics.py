@@ -27,6 +27,13 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+def _loss_sum(s, cfg: TrainConfig) -> float:
+    """The step's weighted loss sum, the objective's mix of its terms (docs/DESIGN.md §3, §12)."""
+    if cfg.arch == "dspark":
+        return cfg.dspark_ce_weight * s.ce_sum + cfg.dspark_tv_weight * s.tv_sum + cfg.dspark_confidence_weight * s.conf_sum
+    return s.ce_sum + cfg.kd_weight * s.kd_sum
+
+
 def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
     """A step's metrics record from its PendingStep `p` and StepStats `s` (dflash.train.trainer)."""
     wsum = max(s.weight_sum, 1e-12)
@@ -35,9 +42,10 @@ def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.d
         "step": p.step,
         "epoch": p.epoch,
         "epoch_samples": p.epoch_samples,
-        "loss": (s.ce_sum + cfg.kd_weight * s.kd_sum) / wsum,
+        "loss": _loss_sum(s, cfg) / wsum,
         "ce": s.ce_sum / wsum,
         "kd": s.kd_sum / wsum,
+        **({"tv": s.tv_sum / wsum, "confidence_bce": s.conf_sum / wsum} if cfg.arch == "dspark" else {}),
         "acc": [c / v if v else None for c, v in zip(s.correct, s.valid)][1:],
         "tau": s.tau_sum / max(s.num_blocks, 1),
         "lr": p.lr,

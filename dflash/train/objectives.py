@@ -37,14 +37,15 @@ def drafter_config_for(dcfg, cfg):
     if cfg.arch not in ARCHS or cfg.loss not in LOSSES:
         raise ConfigError(f"--arch {cfg.arch} / --loss {cfg.loss}: choose --arch from {', '.join(ARCHS)} and "
                           f"--loss from {', '.join(LOSSES)}.")
-    if VARIANTS[cfg.arch].selects_candidates and cfg.parallel == "fsdp":
-        raise ConfigError(f"--arch {cfg.arch} trains its candidate selector outside the drafter's forward, which "
-                          "FSDP2 does not shard; use --parallel ddp (the selector is small beside the layers).")
+    v = VARIANTS[cfg.arch]
+    if (v.selects_candidates or v.dspark_heads) and cfg.parallel == "fsdp":
+        raise ConfigError(f"--arch {cfg.arch} trains its heads outside the drafter's forward, which FSDP2 does "
+                          "not unshard; use --parallel ddp (the heads are small beside the layers).")
     try:
         return config_for(dcfg, cfg.arch, cfg)
     except ValueError as e:
-        raise ConfigError(f"--arch {cfg.arch} cannot be built on this target: {e}; change the DFlash2 option "
-                          "(--conv-kernel-size, --conv-group-size, --selector-rank, --selector-top-k).") from None
+        raise ConfigError(f"--arch {cfg.arch} cannot be built on this target: {e}; change the {cfg.arch} option "
+                          f"({', '.join('--' + k.replace('_', '-') for k in v.knobs)}).") from None
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:

@@ -254,6 +254,25 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
     return types, window, source
 
 
+def _check_dspark_store(cfg: TrainConfig, store) -> None:
+    """--arch dspark needs the target's distribution: the final hidden state, or the top-k (docs/DESIGN.md §12)."""
+    if cfg.arch != "dspark":
+        return
+    if cfg.kd_weight > 0:
+        raise ConfigError(f"--kd-weight {cfg.kd_weight} with --arch dspark: DSpark's own distance to the target "
+                          "distribution replaces KD (--dspark-tv-weight); train with --kd-weight 0.")
+    if cfg.tv_source == "topk" and not store.topk:
+        raise ConfigError(f"--arch dspark --tv-source topk needs the stored top-k target log-probs, but store "
+                          f"{cfg.store} was made with --topk 0; precompute with --topk K, or use --tv-source "
+                          "final_hidden on a store made with --final-hidden.")
+    if cfg.tv_source == "final_hidden" and store.manifest.get("final_hidden") is not True:
+        raise StoreError(f"--arch dspark needs the target's full next-token distribution, which it recomputes "
+                         f"from the target's last hidden state, but store {cfg.store} holds no final hidden states: "
+                         "recapture it with `dflash precompute --final-hidden` (into a new --out, or with "
+                         "--overwrite), or train against the stored top-k only with --tv-source topk (a cheaper, "
+                         "truncated target distribution).")
+
+
 def _checked_store(cfg: TrainConfig, identity: dict):
     """The training store, checked against the target and the options; the held-out store's manifest too."""
     from dflash.store import compare_manifest, open_store
@@ -272,6 +291,7 @@ def _checked_store(cfg: TrainConfig, identity: dict):
         raise ConfigError(f"--labels target trains on the target's greedy tokens, its stored top-1, but store "
                           f"{cfg.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
                           "train with --labels data.")
+    _check_dspark_store(cfg, store)
     if cfg.eval_every:
         if not cfg.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
@@ -329,8 +349,9 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         gamma=cfg.gamma,
         seed=cfg.seed,
         num_shapes=cfg.num_shapes,
-        kd=cfg.kd_weight > 0,
+        kd=cfg.kd_weight > 0 or (cfg.arch == "dspark" and cfg.tv_source == "topk"),
         target_labels=cfg.labels == "target",
+        final_hidden=cfg.arch == "dspark" and cfg.tv_source == "final_hidden",
         skip_damaged=cfg.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )

@@ -53,12 +53,14 @@ class StepStats:
     block_tokens: float
     samples: float
     damaged: float  # samples --skip-damaged left out (their checksums failed)
+    tv_sum: float  # --arch dspark: sum of w * sum|q - p|; else 0
+    conf_sum: float  # --arch dspark: sum of w * the confidence head's BCE; else 0
     correct: list[float]  # per block position 0..B-1: greedy predictions equal to the label
     valid: list[float]  # per block position: labels
     grad_norm: float
 
     SCALARS = ("ce_sum", "kd_sum", "weight_sum", "tau_sum", "num_blocks", "ctx_tokens", "block_tokens", "samples",
-               "damaged")
+               "damaged", "tv_sum", "conf_sum")
 
     @classmethod
     def zeros(cls, block_size: int, device: torch.device) -> torch.Tensor:
@@ -67,10 +69,12 @@ class StepStats:
     @staticmethod
     def add(vec: torch.Tensor, out, counts: torch.Tensor) -> None:
         """Add one micro-batch's loss output and (ctx tokens, block tokens, samples, damaged) counts, in place."""
+        zero = out.ce_sum.new_zeros((), dtype=torch.float64)
+        dspark = [zero if t is None else t.double() for t in (out.tv_sum, out.conf_sum)]
         vec += torch.cat([
             torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                          out.tau_sum.double(), out.num_blocks.double()]),
-            counts, out.correct.double(), out.valid.double()])
+            counts, torch.stack(dspark), out.correct.double(), out.valid.double()])
 
     @classmethod
     def from_vector(cls, v: list[float], block_size: int) -> StepStats:
@@ -142,11 +146,12 @@ class TrainStep:
     """The drafter, its optimizer and the frozen target embedding / lm_head, and one optimizer step."""
 
     def __init__(self, drafter_config, cfg: TrainConfig, device: torch.device, world: int, embed, head,
-                 n_shapes: int = 1, flex_kernel_options: dict | None = None):
+                 n_shapes: int = 1, flex_kernel_options: dict | None = None, final_norm=None):
         self.cfg, self.device, self.world = cfg, device, world
         self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes, flex_kernel_options)
         self.optimizer = make_optimizer(self.raw, cfg, device)
         self.embed, self.head = embed, head
+        self.final_norm = final_norm  # the target's final norm weight: DSpark's target distribution (§12)
         self.compiled = compiled(cfg, device)
         self.loss_kernel = chunk_kernel(cfg.loss_kernel, cfg.kd_weight > 0, device, self.compiled)
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
@@ -228,6 +233,8 @@ class TrainStep:
         from dflash.train import objectives as obj
 
         cfg, labels, weight = self.cfg, m.labels, m.loss_weight
+        if self.raw.dspark_heads:
+            return self.dspark_loss(m, hidden, denom)
         dflash2 = self.raw.selects_candidates
         pre = sel = None
         if cfg.loss == "dpace" or dflash2:
@@ -244,6 +251,20 @@ class TrainStep:
             out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m.block_input_ids, weight, sel,
                                         block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)
         return out
+
+    def dspark_loss(self, m: MicroBatch, hidden: torch.Tensor, denom):
+        """DSpark's CE + L1-to-target + confidence BCE (dflash.train.dspark_loss, docs/DESIGN.md §12)."""
+        from dflash.train.dspark_loss import dspark_block_loss
+        from dflash.train.objectives import previous_tokens
+
+        cfg = self.cfg
+        prev = previous_tokens(m.labels, m.block_input_ids, cfg.block_size)
+        return dspark_block_loss(self.raw, hidden, self.head, m.labels, m.loss_weight, prev,
+                                 block_size=cfg.block_size, denom=denom, ce_weight=cfg.dspark_ce_weight,
+                                 tv_weight=cfg.dspark_tv_weight, confidence_weight=cfg.dspark_confidence_weight,
+                                 tv_source=cfg.tv_source, final_hidden=m.final_hidden, norm_weight=self.final_norm,
+                                 eps=self.raw.config.rms_norm_eps, topk_ids=m.topk_ids,
+                                 topk_logprobs=m.topk_logprobs, chunk=cfg.lm_head_chunk, label_index=m.label_index)
 
     def state_dict(self) -> tuple[dict, dict]:
         """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and

@@ -74,7 +74,8 @@ class Trainer:
         self._barrier()
         embed, head = run.embed_and_head(device)
         n_shapes = len(run.spec.s_shapes) * len(run.spec.q_shapes)
-        self.step_fn = TrainStep(run.drafter_config, cfg, device, world, embed, head, n_shapes)
+        self.step_fn = TrainStep(run.drafter_config, cfg, device, world, embed, head, n_shapes,
+                                 final_norm=run.final_norm(device))
         self.eval_store = None  # rank 0's held-out store, opened at the first evaluation
         self.step, self.epoch, self.samples_done = 0, 0, 0
         self.snapshot: dict[str, int] | None = None  # the epoch's view of the store (None: take one)

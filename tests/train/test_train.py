@@ -327,7 +327,7 @@ def test_step_rates_use_the_device_timeline_when_known():
     from dflash.train.trainer import PendingStep, StepStats
 
     cfg = TrainConfig(block_size=4)
-    vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0, 1.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
+    vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0, 1.0, 0.0, 0.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
     stats = StepStats.from_vector(vec, 4)
     assert stats.samples == 5.0 and stats.damaged == 1.0 and stats.valid == [0.0, 2.0, 2.0, 1.0]
     assert stats.grad_norm == 0.5
