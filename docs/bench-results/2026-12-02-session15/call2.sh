@@ -10,7 +10,7 @@ mkdir -p /root/pieces && cp .pieces/p2/* /root/pieces/ && mkdir -p /root/data &&
 export BENCH_ROWS_ONLY=1 BENCH_ROWS= BENCH_PART_LIMIT_S=60 BENCH_VARIANTS="R=1,loss=triton"
 for c in dflash:16:3 dflash:8:3 dflash2:16:3 dspark:16:3; do
   IFS=: read arch b l <<< "$c"; d=$OUT/solo_${arch}_b${b}_l${l}; mkdir -p $d
-  BENCH_SHAPE=smollm2-135m OUT=$d timeout 75 python3 bench/train_step.py --arch $arch --block-size $b --layers $l --steps 30 > $d/log.txt 2>&1
+  BENCH_SHAPE=smollm2-135m OUT=$d timeout 75 python3 bench/train_step.py --arch $arch --block-size $b --layers $l --steps 20 > $d/log.txt 2>&1
   echo "$c: exit $?"; steps $d/train_step*.json 2>/dev/null || tail -3 $d/log.txt
 done
 d=$OUT/dspark_8b; mkdir -p $d
@@ -18,8 +18,8 @@ BENCH_SHAPE=qwen3-8b BENCH_PART_LIMIT_S=75 OUT=$d timeout 90 python3 bench/train
 echo "dspark 8b: exit $?"; steps $d/train_step*.json 2>/dev/null || tail -3 $d/log.txt
 xz -d -c /root/data/prompts.jsonl.xz > /root/prompts.jsonl
 mkdir -p /root/cap && cp -r .carry/cap/* /root/cap/
-( cd /root/cap && PYTHONPATH=/root/site:/root/cap timeout 150 python3 bench/capture_rate.py --make-random smollm2-135m /root/rand135 \
-    --tokenizer $REPO/tests/assets/smollm2-tokenizer --data /root/prompts.jsonl --rows 2000 --token-budget 65536 --cli \
+( cd /root/cap && PYTHONPATH=/root/site:/root/cap timeout 120 python3 bench/capture_rate.py --make-random smollm2-135m /root/rand135 \
+    --tokenizer $REPO/tests/assets/smollm2-tokenizer --data /root/prompts.jsonl --rows 1500 --token-budget 65536 --cli \
     --cli-dir /root/capcli --out $OUT/capture_after.json > $OUT/capture_after.log 2>&1 ); echo "capture (branch): exit $?"
 tail -c 1500 $OUT/capture_after.json 2>/dev/null | tr -d '\n' ; echo
 rm -rf /root/capmain; head -2000 /root/prompts.jsonl > /root/p2000.jsonl

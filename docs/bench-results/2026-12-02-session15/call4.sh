@@ -6,7 +6,7 @@
 set -u
 . docs/bench-results/2026-12-02-session15/env.sh
 cd $E || exit 3
-BUDGET=${BUDGET:-560}; t0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
+BUDGET=${BUDGET:-330}; t0=$(date +%s); left() { echo $(( BUDGET - ($(date +%s) - t0) )); }
 EV() { local run=$1 ck=$2 tag=$3  # eval one checkpoint in its own process session
   setsid nohup timeout -s KILL $(( $(left) - 25 )) $DF eval --run runs/$run/checkpoints/$ck --prompts data/heldout.jsonl \
     --max-samples 100 --max-new-tokens 128 --reference eval/reference.json --no-plots \
