@@ -22,7 +22,7 @@ mkdir -p /root/cap && cp -r .carry/cap/* /root/cap/
     --tokenizer $REPO/tests/assets/smollm2-tokenizer --data /root/prompts.jsonl --rows 1500 --token-budget 65536 --cli \
     --cli-dir /root/capcli --out $OUT/capture_after.json > $OUT/capture_after.log 2>&1 ); echo "capture (branch): exit $?"
 tail -c 1500 $OUT/capture_after.json 2>/dev/null | tr -d '\n' ; echo
-rm -rf /root/capmain; head -2000 /root/prompts.jsonl > /root/p2000.jsonl
+rm -rf /root/capmain; head -1500 /root/prompts.jsonl > /root/p2000.jsonl
 timeout 100 $DF precompute --target /root/rand135 --data /root/p2000.jsonl --out /root/capmain --token-budget 65536 --topk 8 \
     --max-length 2048 --num-draft-layers 3 2>&1 | quiet | grep "precompute:"
 python3 -c "
