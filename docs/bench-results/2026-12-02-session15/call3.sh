@@ -29,6 +29,7 @@ cp /root/gen.log $OUT/generate.log
 T gen generated
 T gen_lr2e-3 generated --lr 2e-3
 T gen_d2 generated --arch dflash2
+T gen_init generated --drafter-init target
 $DF train --help | grep -q "dspark" && T gen_dspark generated --arch dspark
 date -u +%H:%M:%S > /root/runs_started
 # the target-only reference of the online evals, written by the first eval (gen's first checkpoint), in the
