@@ -131,7 +131,7 @@ def _tiled(meta: dict[str, torch.Tensor], sliding: bool, tile: int) -> TiledMask
     p = SLIDING if sliding else ""
     lists = [(meta[p + "kv_indices"], meta[p + "kv_num_blocks"]), (meta[p + "full_kv_indices"], meta[p + "full_kv_num_blocks"])]
     ids = torch.cat([idx for idx, _ in lists], -1).long()
-    used = torch.cat([torch.arange(idx.shape[-1]) < num.unsqueeze(-1) for idx, num in lists], -1)
+    used = torch.cat([torch.arange(idx.shape[-1], device=idx.device) < num.unsqueeze(-1) for idx, num in lists], -1)
     keys, ok = _tiles_first(ids, used, tile)
     R, qt, n = keys.shape
     kv = [meta[k].gather(-1, keys.flatten(1)).view(R, qt, 1, n) for k in ("kv_sample", "kv_pos", "kv_block")]
@@ -183,6 +183,6 @@ def _tiled_from_dense(mask: torch.Tensor, Q: int, K: int, tile: int) -> TiledMas
     width = int(seen.sum(-1).max())
     if width == 0 or 2 * width > kt:
         return None
-    keys, _ = _tiles_first(torch.arange(kt).expand(R, qt, kt), seen, tile)
+    keys, _ = _tiles_first(torch.arange(kt, device=mask.device).expand(R, qt, kt), seen, tile)
     mg = torch.gather(mask.view(R, qt, tile, K), 3, keys.unsqueeze(2).expand(R, qt, tile, keys.shape[-1]))
     return TiledMask.of(keys, mg.flatten(0, 1).unsqueeze(1), tile)
