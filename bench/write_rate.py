@@ -15,7 +15,8 @@ rate is the most the store path can take: a capture faster than it waits for the
 Reported: the wall time from the first submit to the end of finalize (`tok_per_s`, `mb_per_s` of stored
 bytes), the time `submit()` spent copying into the write slots (on a GPU: queuing the device-to-host
 copies) and waiting for a free slot (`stall_s`: a capture would have waited that long), and the writer's
-own per-stage seconds (`writer_s`, from the shard's status.json: ShardWriter.stage_s).
+own per-stage seconds (`writer_s`, from the shard's status.json: ShardWriter.stage_times) and, with the writer
+process, its CPU seconds (`writer_cpu_s`, start-up included) per GB stored.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def run(a) -> dict:
     try:
         make_store(store, H, L)
         args = dict(store_path=store, shard_index=0, hidden_width=W, num_layers=L, hidden_dtype="bf16", topk=TOPK,
-                    commit_every_tokens=a.commit_every)
+                    commit_every_tokens=a.commit_every, **({"direct_objects": False} if a.zarr_objects else {}))
         t_open = time.perf_counter()
         submit_s = 0.0
         with open_sink(args, "cpu", a.writer, 3, capacity) as sink:
@@ -97,14 +98,17 @@ def run(a) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tokens = st["num_tokens"]
-    return {"shape": a.shape, "width": W, "writer": a.writer, "dir": a.dir, "tokens": tokens,
+    cpu = st.get("writer_cpu_s") or {}
+    return {"shape": a.shape, "width": W, "writer": a.writer, "zarr_objects": a.zarr_objects, "dir": a.dir, "tokens": tokens,
             "samples": st["num_samples"], "batches": len(batches), "token_budget": a.token_budget,
             "commit_every": a.commit_every, "bytes_per_token": round(nbytes / tokens, 1),
             "wall_s": round(wall, 3), "tok_per_s": round(tokens / wall), "mb_per_s": round(nbytes / wall / 1e6, 1),
             "submit_s": round(submit_s - getattr(sink, "stall_s", 0.0), 3),
             "stall_s": round(getattr(sink, "stall_s", 0.0), 3), "drain_s": round(time.perf_counter() - t_sub, 3),
             "writer_start_s": round(start_s, 3), "writer_s": st.get("writer_s"),
-            "writer_cpu_s": st.get("writer_cpu_s")}
+            "writer_cpu_s": cpu or None,
+            # the writer process's CPU per GB stored: steadier than the wall rate on a shared machine
+            "writer_cpu_s_per_gb": round((cpu["user"] + cpu["sys"]) / (nbytes / 1e9), 2) if cpu else None}
 
 
 def main() -> None:
@@ -116,6 +120,7 @@ def main() -> None:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary store goes (its disk is timed)")
     ap.add_argument("--writer", default="process", choices=("process", "thread"))
     ap.add_argument("--commit-every", type=int, default=32768)
+    ap.add_argument("--zarr-objects", action="store_true", help="whole objects through zarr (ShardWriter(direct_objects=False))")
     ap.add_argument("--out")
     a = ap.parse_args()
     torch.set_num_threads(1)
