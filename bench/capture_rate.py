@@ -1,8 +1,11 @@
-"""Capture against the target's bare forward, on real conversations, for any target directory.
+"""Capture against the target's bare forward, and the `dflash precompute` command against both, on real
+conversations, for any target directory.
 
     python bench/capture_rate.py --target DIR --data chats.jsonl [--rows 1000] [--token-budget 16384 65536]
-                                 [--max-length 2048] [--layers 3] [--out $OUT/capture_rate.json]
-    python bench/capture_rate.py --make-random SHAPE OUTDIR --tokenizer DIR   # a random-weight target of a shape
+                                 [--max-length 2048] [--layers 3] [--cli] [--out $OUT/capture_rate.json]
+    python bench/capture_rate.py --make-random SHAPE OUTDIR --tokenizer DIR [--data chats.jsonl ...]
+        # a random-weight target of a shape (smollm2-135m, qwen3-1.7b, qwen3-8b; tiny for a CPU smoke run);
+        # with --data, then measured as --target OUTDIR
 
 For each token budget: the rows are rendered with the target's chat template (timed: the CPU's render
 rate), cut into precompute's batches (`plan_batches` per window, as `run_shard` does), and run three ways
@@ -11,15 +14,23 @@ on the device, each after a warm-up pass over a few batches and timed with a syn
   lm_head   the decoder then the lm_head over every real position in chunks (the model's own forward
             without materialising [B, T, V] at once);
   capture   `dflash.target_model.capture.Capture` (hooks on the chosen layers + chunked top-k), what precompute runs.
-Rates count real (unpadded) tokens.  The `dflash precompute` command itself is timed by the script that
-calls this one (its summary line), so the difference to `capture` is the pipeline around it.
+Rates count real (unpadded) tokens.  With --cli, the command itself runs too, once per budget: `dflash
+precompute` (a subprocess, one shard on this device, the same rows, layers, top-k, max length and budget)
+into a temporary store; `cli_tok_per_s` is the shard's new tokens over its `loop_s` (rendering + capture +
+writes, start-up excluded, from status.json), and the result keeps the shard's `writer_s` (the writer's
+seconds per stage), `writer_cpu_s`, `write_stall_s` (the capture waiting for the writer) and
+`render_workers`.  Ratios: capture and cli over the decoder forward and over the forward with its lm_head.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +55,9 @@ SHAPES = {
                        tie_word_embeddings=True),
     "qwen3-8b": dict(arch="qwen3", tie_word_embeddings=False,
                      **{k: v for k, v in QWEN3_8B.items() if k != "target_layer_ids"}),
+    # a CPU smoke run (tests/precompute/test_capture_rate_bench.py); SmolLM2's vocabulary fits its tokenizer
+    "tiny": dict(arch="llama", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True),
 }
 
 
@@ -102,6 +116,28 @@ def timed(fn, batches, device, warm: int = 3) -> float:
     return time.perf_counter() - t0
 
 
+def run_cli(a, budget: int, layer_ids: list[int], device) -> dict:
+    """`dflash precompute` on the first `a.rows` rows into a temporary store: its loop rate and writer stages."""
+    tmp = Path(tempfile.mkdtemp(prefix="capture_rate_cli_", dir=a.cli_dir))
+    cmd = [sys.executable, "-m", "dflash.cli", "precompute", "--target", a.target, "--data", a.data,
+           "--out", str(tmp / "store"), "--shards", "1", "--gpus", "0" if device.type == "cuda" else "cpu",
+           "--target-layers", ",".join(map(str, layer_ids)), "--max-length", str(a.max_length),
+           "--topk", str(a.topk), "--token-budget", str(budget), "--max-samples", str(a.rows)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if done.returncode:
+            raise RuntimeError(f"dflash precompute failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        st = json.loads((tmp / "store" / "shard-00000" / "status.json").read_text())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "writer_s", "writer_cpu_s")
+    return {"cli_tok_per_s": round(st["new_tokens"] / max(st["loop_s"], 1e-9)), "cli_wall_s": round(wall, 2),
+            **{f"cli_{k}": st.get(k) for k in keep}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-random", nargs=2, metavar=("SHAPE", "OUTDIR"))
@@ -113,11 +149,15 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, nargs="+", default=[16384])
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--cli", action="store_true", help="time `dflash precompute` on the same rows too")
+    ap.add_argument("--cli-dir", default=None, help="where --cli's temporary store goes (default: the temp dir)")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.make_random:
         make_random(a.make_random[0], Path(a.make_random[1]), Path(a.tokenizer))
-        return
+        if not a.data:
+            return
+        a.target = a.make_random[1]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = load_tokenizer(a.target)
     ds = load_rows(a.data, "train", None, check=False)
@@ -146,7 +186,11 @@ def main() -> None:
         r = {"batches": len(batches), "tokens": tokens, "render_tok_per_s": round(tokens / render_s)}
         for name, fn in (("forward", forward), ("lm_head", lm_head), ("capture", capture)):
             r[f"{name}_tok_per_s"] = round(tokens / timed(fn, batches, device))
-        r["capture_over_forward"] = round(r["capture_tok_per_s"] / r["forward_tok_per_s"], 3)
+        if a.cli:
+            r.update(run_cli(a, budget, layer_ids, device))
+        for name in ("capture", "cli") if a.cli else ("capture",):
+            for ref in ("forward", "lm_head"):
+                r[f"{name}_over_{ref}"] = round(r[f"{name}_tok_per_s"] / r[f"{ref}_tok_per_s"], 3)
         res["budgets"][budget] = r
         print(json.dumps({budget: r}), flush=True)
     if a.out:

@@ -158,6 +158,7 @@ def run_shard(job: ShardJob) -> dict:
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["gc_s"] = round(gct.total_s, 3)
             stats["device"] = str(device)
+            stats["write_stall_s"] = round(getattr(sink, "stall_s", 0.0), 3)  # the capture waiting for a write slot
             sink.finalize(stats)
         return shard_status(cfg.out, shard)
     finally:

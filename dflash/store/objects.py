@@ -16,7 +16,10 @@ precompute's GPU does not wait for the store.  Write rates are in docs/BENCHMARK
 
 from __future__ import annotations
 
+import functools
 import shutil
+import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +30,7 @@ from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.storage import LocalStore
 
 from dflash.errors import StoreError
+from dflash.store.direct import DirectObjects
 from dflash.store.durable import disk_full_error, is_disk_full
 from dflash.store.rows import fsync_files
 
@@ -97,14 +101,27 @@ def remove_objects_from(shard_dir: Path, names, first: int) -> None:
 class ObjectWrites:
     """Writes of whole objects to `arrays`, up to `io_threads` in flight at once, each to objects no other
     write touches (io_threads 0: each written inline, on the caller's thread).  `on_written(lent)` gets a
-    write's lent buffers back once it is done, on the caller's thread."""
+    write's lent buffers back once it is done, on the caller's thread.
 
-    def __init__(self, arrays: dict[str, zarr.Array], shard_dir: Path, io_threads: int, durable: bool, on_written):
-        self.arrays, self.dir, self.durable, self._on_written = arrays, shard_dir, durable, on_written
+    A write of whole objects is cut into one task per object (every array's object k: `DirectObjects`
+    encodes and writes them, then fsyncs them), so that a commit's objects are written side by side on the
+    I/O threads; arrays `DirectObjects` does not handle, and the final partial object, go through zarr.
+    `stage_s` sums the seconds spent per stage, over all threads (status.json's `writer_s`)."""
+
+    def __init__(self, arrays: dict[str, zarr.Array], shard_dir: Path, io_threads: int, durable: bool, on_written,
+                 S: int, direct: bool = True):
+        self.arrays, self.dir, self.durable, self._on_written, self.S = arrays, shard_dir, durable, on_written, S
         self.max_inflight = max(0, int(io_threads))
         self._io = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="dflash-store-io") if self.max_inflight else None
-        self._inflight: deque = deque()  # (future, {array: lent buffer}), oldest first
+        self._inflight: deque = deque()  # ([futures], {array: lent buffer}), oldest first
         self.failed: BaseException | None = None
+        self._direct = {n: d for n, a in arrays.items() if direct and (d := DirectObjects.of(a)) is not None}
+        self.stage_s: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_s[stage] = self.stage_s.get(stage, 0.0) + seconds
 
     def check_ok(self) -> None:
         if self.failed is not None:
@@ -125,42 +142,80 @@ class ObjectWrites:
         while len(self._inflight) >= self.max_inflight:
             self.reap(block=True)
 
-    def submit(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path], lent: dict,
-               inline: bool = False) -> None:
-        """Write tokens [lo, hi) of every array (`objects`: their files), on an I/O thread unless `inline`."""
+    def submit(self, lo: int, hi: int, slices: dict[str, np.ndarray], lent: dict, inline: bool = False) -> None:
+        """Write tokens [lo, hi) of every array, on the I/O threads unless `inline` (a final write: [lo, hi)
+        may end in a partial object)."""
+        tasks = self._tasks(lo, hi, slices, whole=not inline)
         if self._io is not None and not inline:
-            self._inflight.append((self._io.submit(self._store, lo, hi, slices, objects), lent))
+            self._inflight.append(([self._io.submit(self._guarded, t) for t in tasks], lent))
             return
         try:
-            self._store(lo, hi, slices, objects)
+            for t in tasks:
+                self._guarded(t)
         except BaseException as e:
             self.failed = e
             raise
         self._on_written(lent)
 
-    def _store(self, lo: int, hi: int, slices: dict[str, np.ndarray], objects: list[Path]) -> None:
-        """On an I/O thread: write whole objects (numpy + zarr), then fsync them and their directories."""
+    def _tasks(self, lo: int, hi: int, slices: dict[str, np.ndarray], whole: bool) -> list:
+        """Callables writing [lo, hi): one per object for the arrays written directly, one for the rest."""
+        direct = self._direct if whole else {}
+        tasks = [functools.partial(self._write_object, k, lo, slices) for k in range(lo // self.S, hi // self.S)
+                 if direct]
+        rest = [n for n in self.arrays if n not in direct]
+        if rest:
+            tasks.append(functools.partial(self._write_zarr, lo, hi, {n: slices[n] for n in rest}))
+        return tasks
+
+    def _guarded(self, task) -> None:
+        """Run one write task; a full disk becomes a StoreError naming what was written."""
         try:
-            for name, arr in self.arrays.items():
-                arr[lo:hi] = slices[name]
-            if self.durable:
-                fsync_files(objects)
+            task()
         except Exception as e:
             if is_disk_full(e):  # the objects are not committed: a rerun after freeing space rewrites them
-                raise disk_full_error(objects[0] if objects else self.dir, e) from e
+                raise disk_full_error(self.dir, e) from e
             raise
+
+    def _write_object(self, k: int, lo: int, slices: dict[str, np.ndarray]) -> None:
+        """On an I/O thread: object k of every directly written array (numpy + os only), then its fsync."""
+        t0 = time.perf_counter()
+        paths = []
+        for name, enc in self._direct.items():
+            a = slices[name][k * self.S - lo : (k + 1) * self.S - lo]
+            paths.append(object_path(self.dir, name, a.shape[1:], k))
+            enc.write(paths[-1], a)
+        t1 = time.perf_counter()
+        if self.durable:
+            fsync_files(paths)
+        self.add_time("objects", t1 - t0)
+        self.add_time("objects_fsync", time.perf_counter() - t1)
+
+    def _write_zarr(self, lo: int, hi: int, slices: dict[str, np.ndarray]) -> None:
+        """Tokens [lo, hi) of `slices`' arrays through zarr (numpy + zarr), then an fsync of their objects."""
+        t0 = time.perf_counter()
+        for name, a in slices.items():
+            self.arrays[name][lo:hi] = a
+        t1 = time.perf_counter()
+        if self.durable:
+            fsync_files([object_path(self.dir, n, a.shape[1:], k) for n, a in slices.items()
+                         for k in range(lo // self.S, (hi - 1) // self.S + 1)])
+        self.add_time("objects_zarr", t1 - t0)
+        self.add_time("objects_fsync", time.perf_counter() - t1)
 
     def reap(self, block: bool) -> None:
         """Collect finished writes (with block, at least the oldest); a failed one poisons the writer."""
-        while self._inflight and (block or self._inflight[0][0].done()):
-            f, lent = self._inflight.popleft()
+        t0 = time.perf_counter()
+        while self._inflight and (block or all(f.done() for f in self._inflight[0][0])):
+            futures, lent = self._inflight.popleft()
             block = False
             try:
-                f.result()  # re-raises a failed write here, before any commit can refer to it
+                for f in futures:
+                    f.result()  # re-raises a failed write here, before any commit can refer to it
             except BaseException as e:
                 self.failed = e
                 raise
             self._on_written(lent)
+        self.add_time("wait_writes", time.perf_counter() - t0)
 
     def drain(self) -> None:
         while self._inflight:

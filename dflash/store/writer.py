@@ -13,8 +13,9 @@ not), so a design that keeps appending into a half-filled object would rewrite c
    writes are in flight, each to *other* objects, and each fsyncs its own objects right after writing
    them.  Array resizes (metadata) happen only on the caller's thread, before the objects they cover are
    submitted, and only grow an array while writes are in flight.  A commit waits for every write.
-2. `commit()` (every `commit_every_tokens` appended tokens, and on close/finalize) makes everything
-   appended so far durable, in this order:
+2. `commit()` (once `commit_every_tokens` tokens were appended: where `S` <= that interval, at the first
+   sample that ends at or past an object boundary, so that the tail is shorter than that sample; and on
+   close/finalize) makes everything appended so far durable, in this order:
      a. write the whole objects still buffered and wait for every write in flight (objects are fsynced
         by their I/O thread); fsync the array metadata changed since the last commit;
      b. write the remainder (< S tokens, past the last whole object: the *tail*) to
@@ -47,6 +48,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +64,7 @@ from dflash.store.manifest import (
     shard_name,
     shard_status,
 )
-from dflash.store.objects import ObjectWrites, object_path, open_arrays, remove_objects_from
+from dflash.store.objects import ObjectWrites, open_arrays, remove_objects_from
 from dflash.store.rows import (
     FP8_MAX,
     TokenBuffer,
@@ -120,6 +122,8 @@ class ShardWriter:
         # zarr >= 3.4 only (ignored before): build the arrays on zarr's FusedCodecPipeline, which writes the
         # objects of a slice in parallel on worker threads, off zarr's event-loop thread; same bytes
         fused_pipeline: bool = True,
+        # write whole objects with DirectObjects (zarr's bytes, without its codec pipeline: dflash/store/direct.py)
+        direct_objects: bool = True,
     ):
         self.durable = durable
         self._aborted = False
@@ -140,7 +144,7 @@ class ShardWriter:
                                   fused_pipeline)
         self.S = self.arrays["hidden"].shards[0]  # an existing shard keeps the object size it was made with
         self._writes = ObjectWrites(self.arrays, self.dir, max(1, int(io_threads)) if overlap_io else 0,
-                                    durable, self._give_back)
+                                    durable, self._give_back, self.S, direct_objects)
 
         c = layout.load_committed(self.dir, self.specs)
         self._committed = c
@@ -235,14 +239,24 @@ class ShardWriter:
             "length": t,
             "num_supervised": int(np.count_nonzero(rows["loss_mask"])),
         }
+        t0 = time.perf_counter()
         for name in self.specs:
             entry[f"checksum_{name}"] = layout.checksum(rows[name])
+        t1 = time.perf_counter()
+        for name in self.specs:
             self._buf[name].append(rows[name])
+        self._writes.add_time("checksum", t1 - t0)
+        self._writes.add_time("buffer_copy", time.perf_counter() - t1)
         self._pending.append(entry)
         self._pending_ids.add(sid)
         self._buffered += t
         self._since_commit += t
-        if self._since_commit >= self.commit_every_tokens:
+        # Once commit_every_tokens have passed, commit at the first sample that reaches an object boundary: the
+        # tail file then holds less than that sample, not up to a whole object (~56 MB of a 135M target's rows
+        # written again at every commit otherwise).  Only where objects are no longer than the commit interval,
+        # so that the commit is late by less than one object; otherwise commit at once.
+        due = self._since_commit >= self.commit_every_tokens
+        if due and (self.S > self.commit_every_tokens or self.num_tokens % self.S < t):
             self.commit()
         elif self._buffered >= self._flush_tokens:
             self._write_objects()
@@ -261,16 +275,14 @@ class ShardWriter:
             return
         self._writes.make_room(final)  # a final resize may shrink an array (a killed run left it larger)
         lo, hi = self._buf_start, self._buf_start + n
-        objects, slices, lent = [], {}, {}
+        slices, lent = {}, {}
         for name, arr in self.arrays.items():
             if arr.shape[0] < hi or (final and arr.shape[0] != hi):
                 arr.resize((hi, *arr.shape[1:]))
                 self._unsynced.add(self.dir / name / "zarr.json")
             slices[name], lent[name] = self._buf[name].take(n)  # not touched again until given back
-            row = self.specs[name][1]
-            objects += [object_path(self.dir, name, row, k) for k in range(lo // self.S, (hi - 1) // self.S + 1)]
         self._buf_start, self._buffered = hi, self._buffered - n
-        self._writes.submit(lo, hi, slices, objects, lent, inline=final)
+        self._writes.submit(lo, hi, slices, lent, inline=final)
 
     def _give_back(self, lent: dict[str, np.ndarray]) -> None:
         for name, buf in lent.items():
@@ -292,6 +304,7 @@ class ShardWriter:
         self._writes.check_ok()
         self._write_objects()
         self._writes.drain()
+        t0 = time.perf_counter()
         self._sync()
         end = self.num_tokens
         if self._buffered:
@@ -315,6 +328,8 @@ class ShardWriter:
         self._ids |= self._pending_ids
         self._rows |= {e["source_row"] for e in self._pending}
         self._pending, self._pending_ids, self._since_commit = [], set(), 0
+        self._writes.add_time("commit_files", time.perf_counter() - t0)
+        self._writes.add_time("commits", 1)
 
     @_disk_full_named
     def finalize(self, stats: dict | None = None) -> None:
@@ -345,8 +360,17 @@ class ShardWriter:
                 "num_tokens": self._committed.end,
                 "num_supervised": int(np.sum(idx.column("num_supervised").to_numpy())),
                 **(stats or {}),
+                **({"writer_s": self.stage_times()} if self._writes.stage_s else {}),
             },
         )
+
+    def stage_times(self) -> dict[str, float]:
+        """Seconds this writer spent per stage so far (I/O threads' stages summed over the threads):
+        checksum, buffer_copy (into the writer's buffer), objects (encode + write of whole objects),
+        objects_zarr (writes through zarr), objects_fsync, wait_writes (the caller waiting for object writes:
+        room for one more, or a commit's), commit_files (metadata fsync, tail, index segment); `commits`
+        counts the commits."""
+        return {k: (int(v) if k == "commits" else round(v, 3)) for k, v in sorted(self._writes.stage_s.items())}
 
     def close(self) -> None:
         """Commit what was appended (unless a write failed), then stop the I/O threads."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import resource
 import threading
 import traceback
 from types import SimpleNamespace
@@ -272,13 +273,19 @@ def _writer_main(writer_args: dict, shared: list[dict], cmd, back, parent_pid: i
                 back.put(("free", i))
             else:  # finalize or close: everything is written, fsynced and committed when this returns
                 if msg[0] == "finalize":
-                    w.finalize(msg[1])
+                    w.finalize({**msg[1], "writer_cpu_s": _cpu_s()})
                 w.close()
                 back.put(("done", None))
                 return
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         back.put(("error", (type(e).__name__, str(e), traceback.format_exc())))
         w.abort()
+
+
+def _cpu_s() -> dict[str, float]:
+    """This process's CPU seconds so far (user, system): the writer's load beside its wall time."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user": round(r.ru_utime, 3), "sys": round(r.ru_stime, 3), "minor_faults": r.ru_minflt}
 
 
 def _typed(buf: np.ndarray, dtype: str, row: tuple) -> np.ndarray:

@@ -1,0 +1,124 @@
+"""Whole Zarr shard objects encoded and written by the writer itself: the bytes zarr writes, in fewer passes.
+
+Why: zarr (3.1) writes even a whole, aligned shard object through its partial-write path, on its one
+event-loop thread: it fills every inner chunk with the fill value, copies the data in, encodes, then
+concatenates the chunks into one buffer before the file write.  That is four passes over the data on one
+thread, and with small rows (a 135M target stores 3.5 KB per token) it bounds precompute at a fraction of the
+capture's rate (docs/BENCHMARKS.md).  Here an object is encoded chunk by chunk straight from the writer's
+buffer (raw chunks are views, compressed ones go through the same numcodecs codec zarr uses) and written with
+one `writev`, on the caller's I/O thread, so objects are written in parallel and the GIL is released for
+the copies, the compression and the write.
+
+Only the codec chains `objects.open_arrays` makes are handled (the sharding codec with its index at the end,
+bytes + crc32c index codecs, inner `bytes` then at most one of blosc / zstd); `DirectObjects.of` returns
+None for anything else and the writer keeps using zarr for that array.  tests/store/test_direct.py
+checks that every array a shard stores gets byte for byte the objects zarr writes, and reads them back
+through zarr.  Objects are written in place (no temporary and rename, unlike zarr's LocalStore): the
+writer writes an object only past its last commit's `zarr_end` and fsyncs it before a commit refers to
+it, and a reopened writer deletes every object at or past `zarr_end`, so a torn object is never read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from pathlib import Path
+
+import google_crc32c
+import numcodecs
+import numpy as np
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ShardingCodec, ZstdCodec
+from zarr.codecs.sharding import ShardingCodecIndexLocation
+
+_SHUFFLE = {"noshuffle": 0, "shuffle": 1, "bitshuffle": 2}
+IOV_MAX = 1024  # writev's limit on buffers per call (Linux); an object here has a few dozen
+
+
+class DirectObjects:
+    """Encoder and writer of whole objects (`S` token rows) of one zarr array."""
+
+    def __init__(self, dtype: np.dtype, S: int, ci: int, compressor):
+        self.dtype, self.S, self.ci, self.compressor = dtype, S, ci, compressor
+
+    @classmethod
+    def of(cls, arr) -> DirectObjects | None:
+        """The encoder of `arr`'s objects, or None when its codecs are not ones this module writes."""
+        codecs = arr.metadata.codecs
+        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+            return None
+        sc = codecs[0]
+        if sc.index_location != ShardingCodecIndexLocation.end or not _plain_index(sc.index_codecs):
+            return None
+        dtype = np.dtype(arr.dtype)
+        shard, inner = tuple(arr.metadata.chunk_grid.chunk_shape), tuple(sc.chunk_shape)
+        if shard[1:] != inner[1:] or shard[0] % inner[0] or dtype.kind not in "iuf":
+            return None
+        first, *rest = sc.codecs
+        if not isinstance(first, BytesCodec) or len(rest) > 1:
+            return None
+        if dtype.itemsize > 1 and (first.endian is None or first.endian.value != sys.byteorder):
+            return None
+        compressor = _compressor(rest[0]) if rest else None
+        if rest and compressor is None:
+            return None
+        return cls(dtype, shard[0], inner[0], compressor)
+
+    def encode(self, rows: np.ndarray) -> list:
+        """One object's `S` rows -> its bytes as a list of buffers: the inner chunks, then the index."""
+        if rows.shape[0] != self.S or rows.dtype != self.dtype:
+            raise ValueError(f"an object holds {self.S} rows of {self.dtype}, got {rows.shape[0]} of {rows.dtype}")
+        rows = np.ascontiguousarray(rows)
+        n = self.S // self.ci
+        parts, index, pos = [], np.empty((n, 2), dtype="<u8"), 0
+        for j in range(n):
+            raw = rows[j * self.ci : (j + 1) * self.ci].reshape(-1).view(np.uint8)
+            b = memoryview(self.compressor.encode(raw) if self.compressor is not None else raw).cast("B")
+            parts.append(b)
+            index[j] = (pos, b.nbytes)
+            pos += b.nbytes
+        ib = index.tobytes()
+        parts.append(ib + struct.pack("<I", google_crc32c.value(ib)))
+        return parts
+
+    def write(self, path: Path, rows: np.ndarray) -> None:
+        """Write one object's file (its directory made if needed); the caller fsyncs it."""
+        parts = self.encode(rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+            done = 0
+            while done < total:  # writev may write less than asked (large buffers, signals)
+                done += os.writev(fd, _from(parts, done)[:IOV_MAX])
+        finally:
+            os.close(fd)
+
+
+def _from(parts: list, skip: int) -> list:
+    """`parts` less their first `skip` bytes."""
+    out = []
+    for p in parts:
+        m = p if isinstance(p, memoryview) else memoryview(p)
+        if skip >= m.nbytes:
+            skip -= m.nbytes
+            continue
+        out.append(m[skip:])
+        skip = 0
+    return out
+
+
+def _plain_index(index_codecs) -> bool:
+    return (len(index_codecs) == 2 and isinstance(index_codecs[0], BytesCodec)
+            and index_codecs[0].endian is not None and index_codecs[0].endian.value == "little"
+            and isinstance(index_codecs[1], Crc32cCodec))
+
+
+def _compressor(codec):
+    """The numcodecs codec zarr encodes with for `codec` (a bytes-to-bytes codec), or None if not handled."""
+    if isinstance(codec, BloscCodec) and codec.typesize is not None and codec.shuffle is not None:
+        return numcodecs.Blosc(cname=codec.cname.value, clevel=codec.clevel, shuffle=_SHUFFLE[codec.shuffle.value],
+                               blocksize=codec.blocksize, typesize=codec.typesize)
+    if isinstance(codec, ZstdCodec):
+        return numcodecs.Zstd(level=codec.level, checksum=codec.checksum)
+    return None

@@ -1,0 +1,80 @@
+"""DirectObjects writes the objects zarr writes, byte for byte, and a shard written through it is the shard
+zarr's own path writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash.store import ShardWriter, layout
+from dflash.store.direct import DirectObjects
+from dflash.store.objects import object_path, open_arrays
+
+
+def _rows(rng, dtype, shape):
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return rng.integers(0, min(np.iinfo(dtype).max, 60000), shape).astype(dtype)
+
+
+@pytest.mark.parametrize("hidden_dtype,compressor", [("bf16", None), ("fp8", None), ("bf16", "zstd")])
+def test_objects_equal_zarrs(tmp_path, hidden_dtype, compressor):
+    specs = layout.array_specs(hidden_dtype, 96, 3, 8, final_hidden=True)
+    S, ci = 64, 16
+    made = {d: open_arrays(tmp_path / d, specs, {"hidden_dtype": hidden_dtype}, S, ci, compressor, False)
+            for d in ("zarr", "direct")}
+    rng = np.random.default_rng(0)
+    for name, (dtype, row) in specs.items():
+        x = _rows(rng, dtype, (2 * S, *row))
+        x[:5] = 0  # an all-zero inner chunk is written too (write_empty_chunks)
+        made["zarr"][name].resize((2 * S, *row))
+        made["zarr"][name][:] = x
+        enc = DirectObjects.of(made["direct"][name])
+        assert enc is not None, name
+        for k in range(2):
+            enc.write(object_path(tmp_path / "direct", name, row, k), x[k * S : (k + 1) * S])
+            ours = object_path(tmp_path / "direct", name, row, k).read_bytes()
+            assert ours == object_path(tmp_path / "zarr", name, row, k).read_bytes(), (name, k)
+        made["direct"][name].resize((2 * S, *row))
+        np.testing.assert_array_equal(made["direct"][name][:], x)
+
+
+def _write_shard(root, direct: bool, n_samples: int = 40):
+    rng = np.random.default_rng(1)
+    w = ShardWriter(root, 0, hidden_width=64, num_layers=2, topk=4, chunk_tokens=16, chunks_per_object=4,
+                    commit_every_tokens=100, direct_objects=direct)
+    for i in range(n_samples):
+        t = int(rng.integers(5, 60))
+        w.append_encoded(i, i, rng.integers(0, 1000, t), np.ones(t, np.uint8),
+                         {"hidden": rng.integers(0, 2**16, (t, 64)).astype(np.uint16),
+                          "topk_ids": rng.integers(0, 1000, (t, 4)).astype(np.int32),
+                          "topk_logprobs": -rng.random((t, 4)).astype(np.float32)})
+    stages = w.stage_times()
+    w.finalize()
+    return stages
+
+
+def test_shard_bytes_equal_zarrs_path(tmp_path):
+    stages = _write_shard(tmp_path / "direct", True)
+    _write_shard(tmp_path / "zarr", False)
+    assert stages["objects"] > 0 and stages["commits"] > 0  # whole objects went through DirectObjects
+    for d in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_logprobs"):
+        ours = sorted(p.relative_to(tmp_path / "direct") for p in (tmp_path / "direct" / "shard-00000" / d).rglob("*")
+                      if p.is_file())
+        theirs = sorted(p.relative_to(tmp_path / "zarr") for p in (tmp_path / "zarr" / "shard-00000" / d).rglob("*")
+                        if p.is_file())
+        assert ours == theirs and ours
+        for p in ours:
+            assert (tmp_path / "direct" / p).read_bytes() == (tmp_path / "zarr" / p).read_bytes(), p
+    ia = layout.read_ipc(tmp_path / "direct" / "shard-00000" / layout.INDEX)
+    ib = layout.read_ipc(tmp_path / "zarr" / "shard-00000" / layout.INDEX)
+    assert ia.equals(ib)
+
+
+def test_unhandled_codecs_fall_back(tmp_path):
+    import zarr
+    from zarr.storage import LocalStore
+
+    g = zarr.open_group(LocalStore(tmp_path / "g"), mode="w")
+    plain = g.create_array(name="plain", shape=(0, 4), dtype="uint16", chunks=(16, 4))  # no sharding codec
+    assert DirectObjects.of(plain) is None
