@@ -118,6 +118,8 @@ def timed(fn, batches, device, warm: int = 3) -> float:
 
 def run_cli(a, budget: int, layer_ids: list[int], device) -> dict:
     """`dflash precompute` on the first `a.rows` rows into a temporary store: its loop rate and writer stages."""
+    if a.cli_dir:  # a fresh machine's scratch folder may not exist yet
+        Path(a.cli_dir).mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="capture_rate_cli_", dir=a.cli_dir))
     cmd = [sys.executable, "-m", "dflash.cli", "precompute", "--target", a.target, "--data", a.data,
            "--out", str(tmp / "store"), "--shards", "1", "--gpus", "0" if device.type == "cuda" else "cpu",
