@@ -57,7 +57,7 @@ class DirectObjects:
         first, *rest = sc.codecs
         if not isinstance(first, BytesCodec) or len(rest) > 1:
             return None
-        if dtype.itemsize > 1 and (first.endian is None or first.endian.value != sys.byteorder):
+        if dtype.itemsize > 1 and (first.endian is None or _value(first.endian) != sys.byteorder):
             return None
         compressor = _compressor(rest[0]) if rest else None
         if rest and compressor is None:
@@ -108,16 +108,21 @@ def _from(parts: list, skip: int) -> list:
     return out
 
 
+def _value(setting):
+    """A codec setting's string: zarr 3.1 holds Enums (endian, cname, shuffle), zarr 3.4 their values."""
+    return getattr(setting, "value", setting)
+
+
 def _plain_index(index_codecs) -> bool:
     return (len(index_codecs) == 2 and isinstance(index_codecs[0], BytesCodec)
-            and index_codecs[0].endian is not None and index_codecs[0].endian.value == "little"
+            and _value(index_codecs[0].endian) == "little"
             and isinstance(index_codecs[1], Crc32cCodec))
 
 
 def _compressor(codec):
     """The numcodecs codec zarr encodes with for `codec` (a bytes-to-bytes codec), or None if not handled."""
     if isinstance(codec, BloscCodec) and codec.typesize is not None and codec.shuffle is not None:
-        return numcodecs.Blosc(cname=codec.cname.value, clevel=codec.clevel, shuffle=_SHUFFLE[codec.shuffle.value],
+        return numcodecs.Blosc(cname=_value(codec.cname), clevel=codec.clevel, shuffle=_SHUFFLE[_value(codec.shuffle)],
                                blocksize=codec.blocksize, typesize=codec.typesize)
     if isinstance(codec, ZstdCodec):
         return numcodecs.Zstd(level=codec.level, checksum=codec.checksum)

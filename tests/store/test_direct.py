@@ -78,3 +78,35 @@ def test_unhandled_codecs_fall_back(tmp_path):
     g = zarr.open_group(LocalStore(tmp_path / "g"), mode="w")
     plain = g.create_array(name="plain", shape=(0, 4), dtype="uint16", chunks=(16, 4))  # no sharding codec
     assert DirectObjects.of(plain) is None
+
+
+def test_codec_settings_as_strings_are_understood(tmp_path):
+    """zarr 3.4 holds a codec's endian, cname and shuffle as strings where zarr 3.1 holds Enums (the GPU
+    image's zarr 3.4.2 failed here with AttributeError): the same arrays must still be written directly,
+    to the same bytes."""
+    import dataclasses
+
+    specs = layout.array_specs("bf16", 96, 3, 8)
+    S, ci = 64, 16
+    arrays = open_arrays(tmp_path / "a", specs, {"hidden_dtype": "bf16"}, S, ci, "zstd", False)
+    arr = arrays["hidden"]
+    sc = arr.metadata.codecs[0]
+
+    def _forced(obj, changed):  # zarr's codecs and metadata are frozen dataclasses
+        out = dataclasses.replace(obj)
+        for k, v in changed.items():
+            object.__setattr__(out, k, v)
+        return out
+
+    def as_strings(codec):  # every Enum setting replaced by its string value, as zarr 3.4 holds them
+        fields = {f.name: getattr(codec, f.name) for f in dataclasses.fields(codec)}
+        return _forced(codec, {k: v.value for k, v in fields.items() if isinstance(getattr(v, "value", None), str)})
+
+    strung = _forced(sc, {"index_codecs": tuple(as_strings(c) for c in sc.index_codecs),
+                          "codecs": tuple(as_strings(c) for c in sc.codecs)})
+    assert isinstance(strung.index_codecs[0].endian, str)  # the test really feeds strings
+    fake = type("A", (), {"metadata": _forced(arr.metadata, {"codecs": (strung,)}), "dtype": arr.dtype})()
+    ours, theirs = DirectObjects.of(fake), DirectObjects.of(arr)
+    assert ours is not None and theirs is not None
+    x = np.random.default_rng(0).integers(0, 2**16, (S, *specs["hidden"][1])).astype(np.uint16)
+    assert b"".join(bytes(b) for b in ours.encode(x)) == b"".join(bytes(b) for b in theirs.encode(x))
