@@ -25,6 +25,7 @@ def opt(default: Any = None, help: str = "") -> Any:
 
 
 AutoOnOff = Literal["auto", "on", "off"]
+AutoDtype = Literal["auto", "bf16", "fp32"]
 
 
 def _non_none(tp: Any) -> Any:
@@ -119,4 +120,4 @@ def show_default(f: dataclasses.Field) -> str:
     return str(d).lower() if isinstance(d, bool) else str(d)
 
 
-__all__ = ["AutoOnOff", "Options", "check_choice", "check_rules", "choices_of", "coerce", "opt", "show_default"]
+__all__ = ["AutoDtype", "AutoOnOff", "Options", "check_choice", "check_rules", "choices_of", "coerce", "opt", "show_default"]

@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash.config.fields import AutoOnOff, Options, opt
+from dflash.config.fields import AutoDtype, AutoOnOff, Options, opt
+
+HiddenDtype = Literal["bf16", "fp8"]
+Writer = Literal["process", "thread"]
+EvalDtype = Literal["fp32", "bf16"]
+ExportDtype = Literal["bf16", "fp16", "fp32"]
+Thinking = Literal["on", "off", "template"]
+Turns = Literal["all", "last", "none"]
 
 
 @dataclass
@@ -24,16 +31,16 @@ class GenerateConfig(Options):
     gpus: str = opt("auto", "In-process: 'auto' (CUDA when present), 'cpu', or GPU ids '0,1' (one process each; an "
                     "id may repeat, '0,0,0,0' = four processes on GPU 0, for a small target whose generate "
                     "loop leaves the GPU idle).")
-    dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.")
+    dtype: AutoDtype = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.")
     batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
     seed: int = opt(0, "Sampling seed (row r of a request is seeded seed + r on servers that take a seed).")
-    thinking: Literal["on", "off", "template"] = opt("template", "The chat template's thinking switch (enable_thinking): on, off, or the "
-                        "template's own default. Match the serving setup.")
-    turns: Literal["all", "last", "none"] = opt("all", "Assistant turns to regenerate: all (each after the target's own earlier turns), last, "
-                     "or none (the rows written back as read: the pipeline's stage switched off).")
+    thinking: Thinking = opt("template", "The chat template's thinking switch (enable_thinking): on, off, or the "
+                             "template's own default. Match the serving setup.")
+    turns: Turns = opt("all", "Assistant turns to regenerate: all (each after the target's own earlier turns), last, "
+                       "or none (the rows written back as read: the pipeline's stage switched off).")
     concurrency: int = opt(16, "With --endpoint: requests in flight.")
     timeout: float = opt(600.0, "With --endpoint: seconds a request may take before it is retried.")
     retries: int = opt(5, "With --endpoint: retries of a request that timed out or met a connection error, 408, "
@@ -62,8 +69,8 @@ class PrecomputeConfig(Options):
                                 "--num-layers`, default 3).")
     max_length: int = opt(2048, "Samples longer than this many tokens are truncated (and counted).")
     topk: int = opt(8, "Target top-k log-probs stored per position, for KD; 0 = off.")
-    hidden_dtype: Literal["bf16", "fp8"] = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
-                            "half the bytes).")
+    hidden_dtype: HiddenDtype = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
+                                    "half the bytes).")
     final_hidden: bool = opt(False, "Store the target's last hidden state too (`final_hidden` [T, H], the last "
                              "decoder layer's output before the final norm, in --hidden-dtype): DSpark "
                              "needs it. Adds 2*H bytes per token in bf16, H+4 in fp8.")
@@ -76,10 +83,10 @@ class PrecomputeConfig(Options):
     render_workers: int | None = opt(None, "Processes per shard that render rows (chat template + tokenizer) ahead "
                                      "of the capture; 0 renders inline. Default: on a GPU, the host's cores per "
                                      "shard less 2, at most 8; on the CPU, 0.")
-    dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "Target compute dtype: auto = bf16 on GPU, fp32 on CPU.")
+    dtype: AutoDtype = opt("auto", "Target compute dtype: auto = bf16 on GPU, fp32 on CPU.")
     compile: AutoOnOff = opt("auto", "torch.compile the top-k log-prob reduction (auto: on for CUDA).")
-    writer: Literal["process", "thread"] = opt("process", "Where the store is written: a process per shard (keeps the GIL free for the "
-                      "GPU) or a thread of the shard's process.")
+    writer: Writer = opt("process", "Where the store is written: a process per shard (keeps the GIL free for the "
+                         "GPU) or a thread of the shard's process.")
     trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
     overwrite: bool = opt(False, "Delete an existing store and start over.")
     append: bool = opt(False, "Grow an existing store: capture only the conversations of --data it does not hold "
@@ -112,8 +119,8 @@ class EvalConfig(Options):
                                 "the target alone once.")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
-    dtype: Literal["fp32", "bf16"] = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
-                     "serving speed.")
+    dtype: EvalDtype = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
+                           "serving speed.")
     seed: int = opt(0, "Seed of the held-out anchors.")
     confidence_threshold: float = opt(0.5, "Online, --arch dspark: also decode with the confidence head choosing "
                                       "the drafts to verify (survival probability >= this, as vLLM's "
@@ -127,7 +134,7 @@ class ExportConfig(Options):
     source: str = opt("", "Run directory or checkpoint directory.")
     out: str = opt("", "Export directory.")
     check: bool = opt(False, "Reload the export and compare its logits with the training model.")
-    dtype: Literal["bf16", "fp16", "fp32"] = opt("bf16", "Weights dtype of the export; --check rounds the reference alike.")
+    dtype: ExportDtype = opt("bf16", "Weights dtype of the export; --check rounds the reference alike.")
 
 
 __all__ = ["EvalConfig", "ExportConfig", "GenerateConfig", "PrecomputeConfig"]

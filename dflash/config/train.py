@@ -11,7 +11,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash.config.fields import AutoOnOff, Options, check_rules, opt
+from dflash.config.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
+
+Arch = Literal["dflash", "dflash2", "dspark"]
+DrafterInit = Literal["random", "target"]
+Labels = Literal["data", "target"]
+LossNorm = Literal["step", "micro_batch"]
+LossKernel = Literal["triton", "compiled"]
+Loss = Literal["ce", "dpace"]
+TvSource = Literal["final_hidden", "topk"]
+Parallel = Literal["ddp", "fsdp"]
 
 
 @dataclass
@@ -33,9 +42,9 @@ class Job(Options):
 class Drafter(Options):
     """The drafter's shape and its initial weights (docs/DESIGN.md §2)."""
 
-    arch: Literal["dflash", "dflash2", "dspark"] = opt("dflash", "Drafter: dflash; dflash2 (grouped dynamic block convolutions and a top-K candidate "
-                    "selector; exported as DFlash2DraftModel); dspark (a Markov head and a confidence head; exported "
-                    "as Qwen3DSparkModel, docs/DESIGN.md §12).")
+    arch: Arch = opt("dflash", "Drafter: dflash; dflash2 (grouped dynamic block convolutions and a top-K candidate "
+                     "selector; exported as DFlash2DraftModel); dspark (a Markov head and a confidence head; exported "
+                     "as Qwen3DSparkModel, docs/DESIGN.md §12).")
     block_size: int = opt(16, "Tokens per drafted block.")
     num_layers: int = opt(3, "Drafter layers.  3: the best measured tau per GPU-second and per FLOP at block 16 "
                           "(docs/RECIPE.md, setup c); 5 is the published z-lab layout.")
@@ -49,10 +58,10 @@ class Drafter(Options):
                                         "sliding layers then one full, window 2048, as its published drafters.")
     sliding_window: int | None = opt(None, "Window of the sliding layers in tokens, the query's own included "
                                      "(a query at p sees keys p-W < j <= p).")
-    drafter_init: Literal["random", "target"] = opt("random", "Initial weights of the drafter's layers: random = N(0, 0.02) linears and "
-                            "unit norms (as z-lab's DFlash); target = copies of the target's last --num-layers "
-                            "layers (attention, q/k norms, MLP, layer norms; fc and the drafter's own norms stay "
-                            "random), on a fresh run only (docs/DESIGN.md §2).")
+    drafter_init: DrafterInit = opt("random", "Initial weights of the drafter's layers: random = N(0, 0.02) linears and "
+                                    "unit norms (as z-lab's DFlash); target = copies of the target's last --num-layers "
+                                    "layers (attention, q/k norms, MLP, layer norms; fc and the drafter's own norms stay "
+                                    "random), on a fresh run only (docs/DESIGN.md §2).")
 
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.block_size >= 2, "--block-size must be at least 2."),
@@ -83,9 +92,9 @@ class DSpark(Options):
                                   "sum |q - p| = 2 TV, as DeepSpec computes it (0.9).")
     dspark_confidence_weight: float = opt(1.0, "--arch dspark: weight of the confidence head's BCE against "
                                           "1 - TV, the acceptance probability.")
-    tv_source: Literal["final_hidden", "topk"] = opt("final_hidden", "--arch dspark: the target distribution p: final_hidden = the full "
-                         "distribution recomputed from the store's final hidden state (precompute --final-hidden); "
-                         "topk = the stored top-k, renormalised.")
+    tv_source: TvSource = opt("final_hidden", "--arch dspark: the target distribution p: final_hidden = the full "
+                              "distribution recomputed from the store's final hidden state (precompute --final-hidden); "
+                              "topk = the stored top-k, renormalised.")
 
 
 @dataclass
@@ -127,9 +136,9 @@ class Data(Options):
                               "order).")
     batch_slots: bool = opt(True, "Workers hand over context features in reusable shared, page-locked slots, "
                             "instead of a fresh shared tensor per micro-batch.")
-    labels: Literal["data", "target"] = opt("data", "What a block position is trained to predict: data = the dataset's next token; "
-                      "target = the target's own greedy next token (the store's top-1), what the engine accepts, "
-                      "for data the target did not write (docs/DESIGN.md §3). Needs a store with --topk.")
+    labels: Labels = opt("data", "What a block position is trained to predict: data = the dataset's next token; "
+                         "target = the target's own greedy next token (the store's top-1), what the engine accepts, "
+                         "for data the target did not write (docs/DESIGN.md §3). Needs a store with --topk.")
 
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.num_workers >= 1, "--num-workers must be at least 1 (mask metadata is built in worker processes)."),
@@ -144,18 +153,18 @@ class Objective(Options):
 
     gamma: float | None = opt(None, "Position weight decay exp(-(k-1)/gamma); default 7 for B=16, 5 for B=10, "
                               "4 for B=8, else B/2-1.")
-    loss: Literal["ce", "dpace"] = opt("ce", "Per-position weights of the cross-entropy: ce = the exp(-(k-1)/gamma) decay; dpace = "
-                    "D-PACE's, from the drafter's own per-token CE (arXiv 2605.18810).")
+    loss: Loss = opt("ce", "Per-position weights of the cross-entropy: ce = the exp(-(k-1)/gamma) decay; dpace = "
+                     "D-PACE's, from the drafter's own per-token CE (arXiv 2605.18810).")
     dpace_alpha: float = opt(0.5, "--loss dpace: smoothing of each position's probability, (1-alpha) p + alpha.")
     kd_weight: float = opt(0.0, "Weight of the KD term against the stored top-k.")
     kd_temperature: float = opt(1.0, "Temperature of the KD term.")
-    loss_norm: Literal["step", "micro_batch"] = opt("step", "Loss normalisation: step = the weighted mean over every label of the optimizer "
-                         "step (all micro-batches and processes, the gradient of one big batch); micro_batch = "
-                         "each micro-batch's own weighted mean, averaged (as per-micro-batch trainers do; "
-                         "docs/RECIPE.md).")
+    loss_norm: LossNorm = opt("step", "Loss normalisation: step = the weighted mean over every label of the optimizer "
+                              "step (all micro-batches and processes, the gradient of one big batch); micro_batch = "
+                              "each micro-batch's own weighted mean, averaged (as per-micro-batch trainers do; "
+                              "docs/RECIPE.md).")
     lm_head_chunk: int = opt(2048, "Block positions per lm_head + loss chunk.")
-    loss_kernel: Literal["triton", "compiled"] = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
-                           "off; elsewhere it falls back) or torch.compile'd.")
+    loss_kernel: LossKernel = opt("triton", "The lm_head chunks' softmax and gradient: dflash's Triton kernel (CUDA, KD "
+                                  "off; elsewhere it falls back) or torch.compile'd.")
 
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.kd_weight >= 0, "--kd-weight must be >= 0.")]
@@ -165,10 +174,10 @@ class Objective(Options):
 class Systems(Options):
     """Parallelism, compilation, precision and the garbage collector."""
 
-    parallel: Literal["ddp", "fsdp"] = opt("ddp", "Data parallelism.")
+    parallel: Parallel = opt("ddp", "Data parallelism.")
     ddp_overlap: bool = opt(True, "DDP: all-reduce gradients during the backward (else after it).")
     compile: AutoOnOff = opt("auto", "torch.compile the drafter (auto: on for CUDA).")
-    precision: Literal["auto", "bf16", "fp32"] = opt("auto", "auto = bf16 autocast on CUDA, fp32 on CPU.")
+    precision: AutoDtype = opt("auto", "auto = bf16 autocast on CUDA, fp32 on CPU.")
     gc_every: int = opt(50, "Collect Python garbage every N steps, in step on every process; 0 = Python's own.")
 
 
