@@ -91,10 +91,10 @@ def main() -> None:
     tc = TrainConfig()
     spec = L.LoaderSpec(block_size=sh["block_size"], num_anchors=sh["num_anchors"], token_budget=sh["token_budget"],
                         block_budget=sh["token_budget"], rows_per_batch=R, mask_token_id=mask_id, num_shapes=1,
-                        seed=tc.seed)
+                        seed=tc.job.seed)
     ds = L.PackedDataset(open_store(store_dir), spec)
-    bargs = SimpleNamespace(layers=sh["num_layers"], block_size=sh["block_size"], lm_head_chunk=tc.lm_head_chunk,
-                            compile="auto", loss_kernel=tc.loss_kernel if cuda else "compiled")
+    bargs = SimpleNamespace(layers=sh["num_layers"], block_size=sh["block_size"], lm_head_chunk=tc.objective.lm_head_chunk,
+                            compile="auto", loss_kernel=tc.objective.loss_kernel if cuda else "compiled")
     t0 = time.perf_counter()
     bench = Bench(bargs, tiny, device)
     res.set("drafter", {"build_s": round(time.perf_counter() - t0, 1), "compiled": bench.compiled,

@@ -32,11 +32,12 @@ from pathlib import Path
 
 import yaml
 
+from dflash.config import flat_options
 from dflash.jsonl import jsonl_lines
 from recipe_configs import CONFIGS, SETUP_BASES
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+BASE = flat_options(yaml.safe_load((ROOT / "params.yaml").read_text())["train"])  # nested by section there
 
 
 class TimedOut(Exception):

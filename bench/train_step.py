@@ -83,8 +83,8 @@ class Bench:
                                 arch=getattr(args, "arch", "dflash"), loss=getattr(args, "loss", "ce"),
                                 tv_source=getattr(args, "tv_source", "final_hidden"))
         # --arch dspark: the target's final norm for the TV term's target distribution (docs/DESIGN.md §12)
-        final_norm = (torch.ones(H, device=device, dtype=dt) if self.tcfg.arch == "dspark"
-                      and self.tcfg.tv_source == "final_hidden" else None)
+        final_norm = (torch.ones(H, device=device, dtype=dt) if self.tcfg.drafter.arch == "dspark"
+                      and self.tcfg.dspark.tv_source == "final_hidden" else None)
         with torch.device(device):  # random init straight on the GPU
             self.train_step = TrainStep(self.cfg, self.tcfg, torch.device(device), 1, embed, head, n_shapes=8,
                                         flex_kernel_options=flex_kernel_options, final_norm=final_norm)
@@ -142,9 +142,9 @@ class Bench:
         n = steps * accum
         feeder = DeviceFeeder((batches[i % len(batches)] for i in range(n)), dev, accum) if prefetch else None
         if own:
-            self.tcfg.lm_head_chunk, self.tcfg.loss_kernel = self.args.lm_head_chunk, getattr(self.args, "loss_kernel",
-                                                                                               "compiled")
-            self.tcfg.grad_accum = accum
+            obj = self.tcfg.objective
+            obj.lm_head_chunk, obj.loss_kernel = self.args.lm_head_chunk, getattr(self.args, "loss_kernel", "compiled")
+            self.tcfg.optim.grad_accum = accum
         sync(self.device)
         t0 = time.perf_counter()
         for i in range(steps):
@@ -265,8 +265,8 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
     window = bench.cfg.sliding_window if bench.cfg.has_sliding else None
     batches, calls, build_s = build_batches(args.batches, R, S, Q, k, B, width, bench.cfg.vocab_size, seed=R * 7 + k,
                                             sliding_window=window)
-    if bench.tcfg.arch == "dspark":
-        batches = [dspark_targets(b, bench.cfg.hidden_size, bench.tcfg.tv_source, bench.cfg.vocab_size, i)
+    if bench.tcfg.drafter.arch == "dspark":
+        batches = [dspark_targets(b, bench.cfg.hidden_size, bench.tcfg.dspark.tv_source, bench.cfg.vocab_size, i)
                    for i, b in enumerate(batches)]
     if cuda:
         batches = [pin(b) for b in batches]

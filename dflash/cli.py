@@ -14,14 +14,15 @@ import typing
 import click
 
 from dflash.config import (
-    FIELDS,
     EvalConfig,
     ExportConfig,
     GenerateConfig,
     PrecomputeConfig,
     TrainConfig,
     build_config,
+    choices_of,
     default_config_path,
+    options_of,
     show_default,
 )
 from dflash.errors import DFlashError
@@ -73,23 +74,23 @@ def _click_type(tp):
 
 
 def options_from(cls, skip: tuple[str, ...] = ()):
-    """One click option per field of the config dataclass `cls`, its help taken from the field: written
-    once in dflash/config.py.  Defaults stay None here, so that build_config knows which flags were given."""
-    hints = typing.get_type_hints(cls)
+    """One click option per option of the config dataclass `cls` (for `dflash train`, every field of every
+    section, flat: --lr, not --optim-lr), its help taken from the field: written once in dflash/config/.
+    Defaults stay None here, so that build_config knows which flags were given."""
 
     def decorate(fn):
-        for name, f in reversed(list(FIELDS[cls].items())):
+        for name, o in reversed(list(options_of(cls).items())):
             if name in skip:
                 continue
             flag = "--" + name.replace("_", "-")
-            default = show_default(f)
-            text = f.metadata["help"] + (f" [default: {default}]" if default != "-" else "")
-            if hints[name] is bool:
+            default = show_default(o.field)
+            text = o.field.metadata["help"] + (f" [default: {default}]" if default != "-" else "")
+            if o.type is bool:
                 fn = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=text)(fn)
-            elif f.metadata.get("choices"):
-                fn = click.option(flag, name, type=click.Choice(f.metadata["choices"]), help=text)(fn)
+            elif choices_of(o.type):
+                fn = click.option(flag, name, type=click.Choice(choices_of(o.type)), help=text)(fn)
             else:
-                fn = click.option(flag, name, type=_click_type(hints[name]), help=text)(fn)
+                fn = click.option(flag, name, type=_click_type(o.type), help=text)(fn)
         return fn
 
     return decorate

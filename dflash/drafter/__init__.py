@@ -62,7 +62,8 @@ def with_arch(cfg: DrafterConfig, arch: str, **knobs) -> DrafterConfig:
 
 
 def config_for(cfg: DrafterConfig, arch: str, options) -> DrafterConfig:
-    """with_arch with the variant's knobs read off `options` (a run's config names them as its fields)."""
+    """with_arch with the variant's knobs read off `options` (the section of a run's config named after the
+    variant, which names them as its fields)."""
     knobs = VARIANTS[arch].knobs if arch in VARIANTS else ()
     return with_arch(cfg, arch, **{k: getattr(options, k) for k in knobs})
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.config import ExportConfig
+from dflash.config import ExportConfig, flat_options
 from dflash.errors import ConfigError, DFlashError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -261,7 +261,7 @@ def _dspark_heads_diff(exported, ref, batch, lm_head) -> tuple[float, bool]:
 def _lm_head_of(train_config: dict):
     from dflash.target_model.files import load_embed_and_head
 
-    target = (train_config.get("train") or train_config).get("target")
+    target = flat_options(train_config.get("train") or train_config).get("target")  # nested, or flat (older runs)
     if target and Path(target).is_dir():
         try:
             return load_embed_and_head(target)[1]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash.config import EvalConfig
+from dflash.config import EvalConfig, flat_options
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.train.heldout import offline_tau, summarize
 
@@ -173,7 +173,7 @@ def _target_of(cfg: EvalConfig, train_config: dict, ckpt: Path) -> str:
     if not target:
         from dflash.paths import from_record
 
-        given = (train_config.get("train") or train_config).get("target")
+        given = flat_options(train_config.get("train") or train_config).get("target")  # nested, or flat (older runs)
         # the run's records hold the store relative to the run, and the store its target relative to itself
         run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
         store = train_config.get("store") or {}

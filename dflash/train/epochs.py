@@ -27,21 +27,21 @@ from dflash.train.plan import LoaderSpec
 
 
 def _waited_too_long(cfg: TrainConfig, t0: float, what: str) -> None:
-    if cfg.follow_timeout and time.monotonic() - t0 > cfg.follow_timeout:
-        raise StoreError(f"--follow gave up after {cfg.follow_timeout:.0f} s waiting for {what} (--follow-timeout). "
+    if cfg.stream.follow_timeout and time.monotonic() - t0 > cfg.stream.follow_timeout:
+        raise StoreError(f"--follow gave up after {cfg.stream.follow_timeout:.0f} s waiting for {what} (--follow-timeout). "
                          "Check that `dflash precompute` is running and writes to this --store.")
 
 
 def wait_for_manifest(cfg: TrainConfig) -> None:
     """--follow: return once the store's manifest exists (precompute writes it before any shard starts)."""
     t0, told = time.monotonic(), False
-    while not (Path(cfg.store) / MANIFEST).is_file():
-        _waited_too_long(cfg, t0, f"store {cfg.store} to be created")
+    while not (Path(cfg.job.store) / MANIFEST).is_file():
+        _waited_too_long(cfg, t0, f"store {cfg.job.store} to be created")
         if not told:
-            print(f"train --follow: waiting for store {cfg.store} to be created by `dflash precompute` "
-                  f"(looking every {cfg.follow_poll:g} s).", flush=True)
+            print(f"train --follow: waiting for store {cfg.job.store} to be created by `dflash precompute` "
+                  f"(looking every {cfg.stream.follow_poll:g} s).", flush=True)
             told = True
-        time.sleep(cfg.follow_poll)
+        time.sleep(cfg.stream.follow_poll)
 
 
 def agree(counts: dict[str, int], world: int, device: torch.device) -> dict[str, int]:
@@ -63,35 +63,35 @@ class EpochSource:
 
     def __init__(self, cfg: TrainConfig, spec: LoaderSpec, world: int, device: torch.device, rank: int = 0):
         self.cfg, self.spec, self.world, self.device, self.rank = cfg, spec, world, device, rank
-        self.per_step = world * cfg.grad_accum
+        self.per_step = world * cfg.optim.grad_accum
 
     def open(self, epoch: int, snapshot: dict[str, int] | None = None) -> tuple[PackedDataset, dict[str, int], float]:
         cfg = self.cfg
         if snapshot is not None:  # resuming into this epoch: the samples it planned over
-            return PackedDataset(open_store(cfg.store, upto=snapshot), self.spec), snapshot, 0.0
+            return PackedDataset(open_store(cfg.job.store, upto=snapshot), self.spec), snapshot, 0.0
         t0, told = time.monotonic(), False
         while True:
-            store = open_store(cfg.store, require_complete=not cfg.follow)
+            store = open_store(cfg.job.store, require_complete=not cfg.stream.follow)
             counts = agree(store.counts(), self.world, self.device)
             if counts != store.counts():
-                store = open_store(cfg.store, upto=counts)
+                store = open_store(cfg.job.store, upto=counts)
             dataset = PackedDataset(store, self.spec)
             micro = len(dataset.plan(epoch))
             if micro >= self.per_step:
                 return dataset, counts, time.monotonic() - t0
-            if not cfg.follow:
+            if not cfg.stream.follow:
                 raise DataError(
-                    f"an epoch of store {cfg.store} packs into {micro} micro-batches, fewer than one optimizer "
-                    f"step needs ({self.world} processes x {cfg.grad_accum} accumulation steps); use fewer "
+                    f"an epoch of store {cfg.job.store} packs into {micro} micro-batches, fewer than one optimizer "
+                    f"step needs ({self.world} processes x {cfg.optim.grad_accum} accumulation steps); use fewer "
                     "processes, less --grad-accum, a smaller --token-budget or a bigger store."
                 )
-            _waited_too_long(cfg, t0, f"enough committed samples in {cfg.store}")
+            _waited_too_long(cfg, t0, f"enough committed samples in {cfg.job.store}")
             if self.rank == 0 and not told:
-                print(f"train --follow: store {cfg.store} holds {len(store)} committed samples ({micro} micro-"
+                print(f"train --follow: store {cfg.job.store} holds {len(store)} committed samples ({micro} micro-"
                       f"batches), fewer than one optimizer step needs ({self.per_step}); waiting for precompute "
-                      f"to commit more (looking every {cfg.follow_poll:g} s).", flush=True)
+                      f"to commit more (looking every {cfg.stream.follow_poll:g} s).", flush=True)
                 told = True
-            time.sleep(cfg.follow_poll)
+            time.sleep(cfg.stream.follow_poll)
 
 
 __all__ = ["EpochSource", "agree", "wait_for_manifest"]

@@ -112,14 +112,14 @@ def launch_train(cfg: TrainConfig) -> dict | None:
     if under_torchrun():
         # torchrun started the processes; each one takes the GPU of its local rank (from the --gpus
         # list when it has one per local process).
-        devices = parse_gpus(cfg.gpus)
+        devices = parse_gpus(cfg.job.gpus)
         check_devices(devices)
         local_rank = int(os.environ["LOCAL_RANK"])
         ids = devices.ids if devices.kind == "cuda" and local_rank < devices.count else tuple(range(local_rank + 1))
         with run_lock(cfg, os.environ["RANK"] == "0"):  # rank 0 holds the run lock for the whole run
             return run_training(cfg, device=_device_for(devices.kind, ids, local_rank))
 
-    devices = parse_gpus(cfg.gpus)
+    devices = parse_gpus(cfg.job.gpus)
     check_devices(devices)
     with run_lock(cfg):  # before preflight: a second trainer on this --out is refused at once
         return _launch(cfg, devices)
@@ -132,11 +132,11 @@ def run_lock(cfg: TrainConfig, holder: bool = True):
 
     if not holder:
         return contextlib.nullcontext()
-    if not cfg.out:
+    if not cfg.job.out:
         raise ConfigError("`dflash train` needs --out (or `out:` in the train section of params.yaml).")
     from dflash.locks import dir_lock
 
-    return dir_lock(cfg.out, "run directory", "--out")
+    return dir_lock(cfg.job.out, "run directory", "--out")
 
 
 def _launch(cfg: TrainConfig, devices: Devices) -> dict | None:

@@ -29,9 +29,9 @@ def peak_mem_gb(device: torch.device) -> float:
 
 def _loss_sum(s, cfg: TrainConfig) -> float:
     """The step's weighted loss sum, the objective's mix of its terms (docs/DESIGN.md §3, §12)."""
-    if cfg.arch == "dspark":
-        return cfg.dspark_ce_weight * s.ce_sum + cfg.dspark_tv_weight * s.tv_sum + cfg.dspark_confidence_weight * s.conf_sum
-    return s.ce_sum + cfg.kd_weight * s.kd_sum
+    if cfg.drafter.arch == "dspark":
+        return cfg.dspark.dspark_ce_weight * s.ce_sum + cfg.dspark.dspark_tv_weight * s.tv_sum + cfg.dspark.dspark_confidence_weight * s.conf_sum
+    return s.ce_sum + cfg.objective.kd_weight * s.kd_sum
 
 
 def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
@@ -45,7 +45,7 @@ def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.d
         "loss": _loss_sum(s, cfg) / wsum,
         "ce": s.ce_sum / wsum,
         "kd": s.kd_sum / wsum,
-        **({"tv": s.tv_sum / wsum, "confidence_bce": s.conf_sum / wsum} if cfg.arch == "dspark" else {}),
+        **({"tv": s.tv_sum / wsum, "confidence_bce": s.conf_sum / wsum} if cfg.drafter.arch == "dspark" else {}),
         "acc": [c / v if v else None for c, v in zip(s.correct, s.valid)][1:],
         "tau": s.tau_sum / max(s.num_blocks, 1),
         "lr": p.lr,
@@ -76,14 +76,14 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        self.run = Path(cfg.out)
+        self.run = Path(cfg.job.out)
         self.records = truncate_metrics(self.run / "metrics.jsonl", start_step)
         self.file = open(self.run / "metrics.jsonl", "a")
         self.tb = SummaryWriter(str(self.run / "tb"), purge_step=start_step + 1 if start_step else None)
         self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
         cut = int((store.lengths() > run.spec.s_shapes[-1]).sum())
         one = batch_bytes(run.spec, run.feature_width)
-        n_slots = default_num_slots(cfg.num_workers, cfg.grad_accum)  # dflash.train.batch_slots
+        n_slots = default_num_slots(cfg.data.num_workers, cfg.optim.grad_accum)  # dflash.train.batch_slots
         self.bar.write(
             f"dflash train: {len(store)} samples, {world} process(es), steps {start_step}->{total}, "
             f"mask token {run.mask_token_id} ({run.mask_token_source}), shapes S {run.spec.s_shapes} "
@@ -91,10 +91,10 @@ class RunLogger:
             f"{','.join(t.split('_')[0] for t in run.drafter_config.layer_types)} ({run.layer_types_source})"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
             + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
-               f"= {cfg.num_workers} workers + 3 x {cfg.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "
-               "page-locked on a GPU; fewer --num-workers or --rows-per-batch lower it)" if cfg.batch_slots else
-               f"; host memory for batches in flight: up to {cfg.num_workers * PREFETCH_FACTOR * one / 1e9:.2f} GB per "
-               f"process ({cfg.num_workers} workers x {PREFETCH_FACTOR} ready x {one / 1e6:.1f} MB)"),
+               f"= {cfg.data.num_workers} workers + 3 x {cfg.optim.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "
+               "page-locked on a GPU; fewer --num-workers or --rows-per-batch lower it)" if cfg.data.batch_slots else
+               f"; host memory for batches in flight: up to {cfg.data.num_workers * PREFETCH_FACTOR * one / 1e9:.2f} GB per "
+               f"process ({cfg.data.num_workers} workers x {PREFETCH_FACTOR} ready x {one / 1e6:.1f} MB)"),
             file=sys.stderr)
         (self.run / "config.json").write_text(json.dumps(run.record(world), indent=2, default=str))
 

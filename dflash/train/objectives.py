@@ -25,26 +25,21 @@ import torch.nn.functional as F
 
 from dflash.train.loss import IGNORE, block_stats
 
-LOSSES = ("ce", "dpace")
-
 
 def drafter_config_for(dcfg, cfg):
     """The drafter config a TrainConfig asks for (--arch and its knobs) from the DFlash one preflight
     derived from the target; a ConfigError for a choice that cannot train."""
-    from dflash.drafter import ARCHS, VARIANTS, config_for
+    from dflash.drafter import VARIANTS, config_for
     from dflash.errors import ConfigError
 
-    if cfg.arch not in ARCHS or cfg.loss not in LOSSES:
-        raise ConfigError(f"--arch {cfg.arch} / --loss {cfg.loss}: choose --arch from {', '.join(ARCHS)} and "
-                          f"--loss from {', '.join(LOSSES)}.")
-    v = VARIANTS[cfg.arch]
-    if (v.selects_candidates or v.dspark_heads) and cfg.parallel == "fsdp":
-        raise ConfigError(f"--arch {cfg.arch} trains its heads outside the drafter's forward, which FSDP2 does "
+    v = VARIANTS[cfg.drafter.arch]  # a name of the registry: TrainConfig checked its choices
+    if (v.selects_candidates or v.dspark_heads) and cfg.systems.parallel == "fsdp":
+        raise ConfigError(f"--arch {cfg.drafter.arch} trains its heads outside the drafter's forward, which FSDP2 does "
                           "not unshard; use --parallel ddp (the heads are small beside the layers).")
     try:
-        return config_for(dcfg, cfg.arch, cfg)
+        return config_for(dcfg, cfg.drafter.arch, getattr(cfg, cfg.drafter.arch, None))  # its section's knobs
     except ValueError as e:
-        raise ConfigError(f"--arch {cfg.arch} cannot be built on this target: {e}; change the {cfg.arch} option "
+        raise ConfigError(f"--arch {cfg.drafter.arch} cannot be built on this target: {e}; change the {cfg.drafter.arch} option "
                           f"({', '.join('--' + k.replace('_', '-') for k in v.knobs)}).") from None
 
 
@@ -166,5 +161,5 @@ def selector_predictions(drafter, hidden, lm_head, labels, block_input_ids, bloc
     return full.view_as(labels)
 
 
-__all__ = ["LOSSES", "Prepass", "add_selector_term", "dpace_loss_weight", "drafter_config_for", "dpace_weights", "head_prepass",
+__all__ = ["Prepass", "add_selector_term", "dpace_loss_weight", "drafter_config_for", "dpace_weights", "head_prepass",
            "labelled", "previous_tokens", "selector_ce", "selector_predictions"]

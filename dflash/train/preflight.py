@@ -24,51 +24,20 @@ from dflash.train.loader import LoaderSpec
 from dflash.train.resolved import ResolvedRun
 
 
-def _check_options(cfg: TrainConfig) -> None:
-    for name in ("store", "target", "out"):
-        if not getattr(cfg, name):
-            raise ConfigError(f"`dflash train` needs --{name} (or `{name}:` in the train section of params.yaml).")
-    rules = [
-        (cfg.block_size >= 2, "--block-size must be at least 2"),
-        (cfg.num_layers >= 1, "--num-layers must be at least 1"),
-        (cfg.grad_accum >= 1, "--grad-accum must be at least 1"),
-        (cfg.num_workers >= 1, "--num-workers must be at least 1 (mask metadata is built in worker processes)"),
-        (cfg.rows_per_batch >= 1, "rows_per_batch must be at least 1"),
-        (cfg.num_anchors >= 1, "--num-anchors must be at least 1"),
-        (cfg.token_budget >= 1, "--token-budget must be positive"),
-        (cfg.block_budget is None or cfg.block_budget >= cfg.block_size, "block_budget must hold at least one block"),
-        (cfg.steps is None or cfg.steps >= 1, "--steps must be at least 1"),
-        (cfg.steps is not None or cfg.epochs > 0, "--epochs must be positive"),
-        (cfg.parallel in ("ddp", "fsdp"), "--parallel must be ddp or fsdp"),
-        (cfg.compile in ("auto", "on", "off"), "--compile must be auto, on or off"),
-        (cfg.loss_kernel in ("compiled", "triton"), "--loss-kernel must be compiled or triton"),
-        (cfg.kd_weight >= 0, "--kd-weight must be >= 0"),
-        (cfg.warmup_steps >= 0 and 0 <= cfg.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1"),
-        (not (cfg.resume and cfg.overwrite), "--resume and --overwrite contradict each other; pick one"),
-        (not cfg.follow or cfg.steps is not None, "--follow needs --steps: the learning-rate schedule needs the "
-         "run's length, and a store being written has no epoch length yet"),
-        (cfg.follow_poll > 0 and cfg.follow_timeout >= 0, "--follow-poll must be positive, --follow-timeout >= 0"),
-        (cfg.profile_steps >= 0 and cfg.profile_start >= 0, "--profile-steps and --profile-start must be >= 0"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message + ".")
-
-
 def _run_dir_in_use(out: Path) -> bool:
     return out.exists() and (not out.is_dir() or any(out.iterdir()))
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
-    out = Path(cfg.out)
+    out = Path(cfg.job.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; pass a directory for the run.")
-    if _run_dir_in_use(out) and not (cfg.resume or cfg.overwrite):
+    if _run_dir_in_use(out) and not (cfg.checkpoint.resume or cfg.checkpoint.overwrite):
         raise ConfigError(
             f"run directory {out} already exists and is not empty; pass --resume to continue it, "
             "--overwrite to delete it and start over, or another --out."
         )
-    if cfg.overwrite and _run_dir_in_use(out) and not is_run_dir(out):
+    if cfg.checkpoint.overwrite and _run_dir_in_use(out) and not is_run_dir(out):
         raise ConfigError(
             f"--overwrite would delete {out}, but it is not a dflash run directory (no metrics.jsonl, "
             "checkpoints/ or run config.json) nor an empty directory. Refusing to delete it: remove it yourself "
@@ -93,9 +62,9 @@ def prepare_run_dir(cfg: TrainConfig) -> None:
     """Rank 0, before any other process writes: apply --overwrite, create the directory, drop debris."""
     from dflash.train.checkpoint import clean_partial
 
-    out = Path(cfg.out)
+    out = Path(cfg.job.out)
     check_run_dir(cfg)
-    if cfg.overwrite and out.exists():
+    if cfg.checkpoint.overwrite and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     clean_partial(out)
@@ -231,19 +200,19 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
     """--layer-types / --sliding-window, checked: one of full/sliding per drafter layer, a window exactly
     when some layer slides (docs/DESIGN.md §4); unset on a Qwen3.5/3.6 target, the layout its published
     drafters have.  Also says where the choice came from (the start-up line and RUN/config.json)."""
-    types, window = cfg.layer_types, cfg.sliding_window
+    types, window = cfg.drafter.layer_types, cfg.drafter.sliding_window
     source = "--layer-types" if types is not None else "default: all full"
-    if types is None and target_cfg is not None and _is_hybrid_qwen(target_cfg) and cfg.num_layers > 1:
-        types = ["sliding"] * (cfg.num_layers - 1) + ["full"]
+    if types is None and target_cfg is not None and _is_hybrid_qwen(target_cfg) and cfg.drafter.num_layers > 1:
+        types = ["sliding"] * (cfg.drafter.num_layers - 1) + ["full"]
         window = window or HYBRID_QWEN_WINDOW
-        source = (f"default for Qwen3.5/3.6 targets, as their published drafters: {cfg.num_layers - 1} sliding "
-                  f"(window {window}) then 1 full; --layer-types full{',full' * (cfg.num_layers - 1)} opts out")
+        source = (f"default for Qwen3.5/3.6 targets, as their published drafters: {cfg.drafter.num_layers - 1} sliding "
+                  f"(window {window}) then 1 full; --layer-types full{',full' * (cfg.drafter.num_layers - 1)} opts out")
     if types is not None:
         bad = [t for t in types if t not in ("full", "sliding")]
-        if bad or len(types) != cfg.num_layers:
+        if bad or len(types) != cfg.drafter.num_layers:
             raise ConfigError(f"--layer-types {','.join(types)} must give full or sliding for each of the "
-                              f"{cfg.num_layers} drafter layers (--num-layers), e.g. "
-                              f"{','.join(['sliding'] * (cfg.num_layers - 1) + ['full'])}.")
+                              f"{cfg.drafter.num_layers} drafter layers (--num-layers), e.g. "
+                              f"{','.join(['sliding'] * (cfg.drafter.num_layers - 1) + ['full'])}.")
     sliding = "sliding" in (types or ())
     if sliding and (window is None or window < 1):
         raise ConfigError("--layer-types has sliding layers: pass --sliding-window W (keys at most W positions "
@@ -256,18 +225,18 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
 
 def _check_dspark_store(cfg: TrainConfig, store) -> None:
     """--arch dspark needs the target's distribution: the final hidden state, or the top-k (docs/DESIGN.md §12)."""
-    if cfg.arch != "dspark":
+    if cfg.drafter.arch != "dspark":
         return
-    if cfg.kd_weight > 0:
-        raise ConfigError(f"--kd-weight {cfg.kd_weight} with --arch dspark: DSpark's own distance to the target "
+    if cfg.objective.kd_weight > 0:
+        raise ConfigError(f"--kd-weight {cfg.objective.kd_weight} with --arch dspark: DSpark's own distance to the target "
                           "distribution replaces KD (--dspark-tv-weight); train with --kd-weight 0.")
-    if cfg.tv_source == "topk" and not store.topk:
+    if cfg.dspark.tv_source == "topk" and not store.topk:
         raise ConfigError(f"--arch dspark --tv-source topk needs the stored top-k target log-probs, but store "
-                          f"{cfg.store} was made with --topk 0; precompute with --topk K, or use --tv-source "
+                          f"{cfg.job.store} was made with --topk 0; precompute with --topk K, or use --tv-source "
                           "final_hidden on a store made with --final-hidden.")
-    if cfg.tv_source == "final_hidden" and store.manifest.get("final_hidden") is not True:
+    if cfg.dspark.tv_source == "final_hidden" and store.manifest.get("final_hidden") is not True:
         raise StoreError(f"--arch dspark needs the target's full next-token distribution, which it recomputes "
-                         f"from the target's last hidden state, but store {cfg.store} holds no final hidden states: "
+                         f"from the target's last hidden state, but store {cfg.job.store} holds no final hidden states: "
                          "recapture it with `dflash precompute --final-hidden` (into a new --out, or with "
                          "--overwrite), or train against the stored top-k only with --tv-source topk (a cheaper, "
                          "truncated target distribution).")
@@ -278,25 +247,25 @@ def _checked_store(cfg: TrainConfig, identity: dict):
     from dflash.store import compare_manifest, open_store
     from dflash.target_model.files import tokenizer_hash
 
-    if cfg.follow:
+    if cfg.stream.follow:
         wait_for_manifest(cfg)
-    store = open_store(cfg.store, require_complete=not cfg.follow)
-    compare_manifest(store.manifest, identity, tokenizer_hash(cfg.target), target_layer_ids=cfg.target_layers)
-    if len(store) == 0 and not cfg.follow:
-        raise StoreError(f"store {cfg.store} has no committed samples; run or finish `dflash precompute` first.")
-    if cfg.kd_weight > 0 and not store.topk:
-        raise ConfigError(f"--kd-weight {cfg.kd_weight} needs top-k target log-probs, but store {cfg.store} "
+    store = open_store(cfg.job.store, require_complete=not cfg.stream.follow)
+    compare_manifest(store.manifest, identity, tokenizer_hash(cfg.job.target), target_layer_ids=cfg.drafter.target_layers)
+    if len(store) == 0 and not cfg.stream.follow:
+        raise StoreError(f"store {cfg.job.store} has no committed samples; run or finish `dflash precompute` first.")
+    if cfg.objective.kd_weight > 0 and not store.topk:
+        raise ConfigError(f"--kd-weight {cfg.objective.kd_weight} needs top-k target log-probs, but store {cfg.job.store} "
                           "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
-    if cfg.labels == "target" and not store.topk:
+    if cfg.data.labels == "target" and not store.topk:
         raise ConfigError(f"--labels target trains on the target's greedy tokens, its stored top-1, but store "
-                          f"{cfg.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
+                          f"{cfg.job.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
                           "train with --labels data.")
     _check_dspark_store(cfg, store)
-    if cfg.eval_every:
-        if not cfg.eval_store:
+    if cfg.monitor.eval_every:
+        if not cfg.monitor.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
-        eval_store = open_store(cfg.eval_store, require_complete=True)
-        compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.target),
+        eval_store = open_store(cfg.monitor.eval_store, require_complete=True)
+        compare_manifest(eval_store.manifest, identity, tokenizer_hash(cfg.job.target),
                          target_layer_ids=store.target_layer_ids)
     return store
 
@@ -304,7 +273,7 @@ def _checked_store(cfg: TrainConfig, identity: dict):
 def _store_record(cfg: TrainConfig, store) -> dict:
     m = store.manifest
     return {
-        "path": portable(cfg.store, cfg.out),  # relative to the run directory
+        "path": portable(cfg.job.store, cfg.job.out),  # relative to the run directory
         "samples": len(store),
         **{k: m.get(k) for k in ("format_version", "target", "tokenizer_hash", "dataset_fingerprint",
                                  "target_layer_ids", "hidden_dtype", "topk", "max_length")},
@@ -315,47 +284,47 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
     from dflash.drafter import DrafterConfig
     from dflash.target_model.files import engine_layer_problem, target_config, target_identity
 
-    _check_options(cfg)
+    cfg.check()  # each section's rules (dflash/config/train.py); choices were checked when cfg was built
     check_run_dir(cfg)
-    identity = target_identity(cfg.target)
+    identity = target_identity(cfg.job.target)
     store = _checked_store(cfg, identity)
     vocab_rows = int(identity.get("vocab_size") or 0)
-    mask_id, source = resolve_mask_token(cfg.mask_token_id, cfg.target, vocab_rows, store, growing=cfg.follow)
-    tcfg = target_config(cfg.target)
+    mask_id, source = resolve_mask_token(cfg.drafter.mask_token_id, cfg.job.target, vocab_rows, store, growing=cfg.stream.follow)
+    tcfg = target_config(cfg.job.target)
     types, window, types_source = _layer_types(cfg, tcfg)
-    dcfg = DrafterConfig.from_target(tcfg, cfg.num_layers, cfg.block_size, list(store.target_layer_ids), mask_id,
+    dcfg = DrafterConfig.from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size, list(store.target_layer_ids), mask_id,
                                      types, window)
     from dflash.train.objectives import drafter_config_for
 
     dcfg = drafter_config_for(dcfg, cfg)  # --arch dflash2: a DFlash2Config (docs/DESIGN.md §11)
     problem = engine_layer_problem(dcfg.target_layer_ids, dcfg.num_target_layers)
     if problem:  # it would train, but vLLM / SGLang could not serve the export (docs/DESIGN.md §2)
-        raise ConfigError(f"store {cfg.store} cannot train a drafter the engines can serve: {problem}")
+        raise ConfigError(f"store {cfg.job.store} cannot train a drafter the engines can serve: {problem}")
     if dcfg.hidden_size * len(dcfg.target_layer_ids) != store.hidden_size * len(store.target_layer_ids):
-        raise StoreError(f"store {cfg.store} holds features of width {store.hidden_size} x "
+        raise StoreError(f"store {cfg.job.store} holds features of width {store.hidden_size} x "
                          f"{len(store.target_layer_ids)} layers, but the drafter expects hidden size {dcfg.hidden_size}.")
     init = None
-    if cfg.drafter_init == "target":
+    if cfg.drafter.drafter_init == "target":
         from dflash.train import drafter_init
 
-        init = drafter_init.plan(cfg.target, dcfg, tcfg)
+        init = drafter_init.plan(cfg.job.target, dcfg, tcfg)
     spec = LoaderSpec(
-        block_size=cfg.block_size,
-        num_anchors=cfg.num_anchors,
-        token_budget=cfg.token_budget,
-        block_budget=cfg.block_budget or cfg.token_budget,
-        rows_per_batch=cfg.rows_per_batch,
+        block_size=cfg.drafter.block_size,
+        num_anchors=cfg.data.num_anchors,
+        token_budget=cfg.data.token_budget,
+        block_budget=cfg.data.block_budget or cfg.data.token_budget,
+        rows_per_batch=cfg.data.rows_per_batch,
         mask_token_id=mask_id,
-        gamma=cfg.gamma,
-        seed=cfg.seed,
-        num_shapes=cfg.num_shapes,
-        kd=cfg.kd_weight > 0 or (cfg.arch == "dspark" and cfg.tv_source == "topk"),
-        target_labels=cfg.labels == "target",
-        final_hidden=cfg.arch == "dspark" and cfg.tv_source == "final_hidden",
-        skip_damaged=cfg.skip_damaged,
+        gamma=cfg.objective.gamma,
+        seed=cfg.job.seed,
+        num_shapes=cfg.data.num_shapes,
+        kd=cfg.objective.kd_weight > 0 or (cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "topk"),
+        target_labels=cfg.data.labels == "target",
+        final_hidden=cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "final_hidden",
+        skip_damaged=cfg.data.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
-    return ResolvedRun(dataclasses.replace(cfg, mask_token_id=mask_id), dcfg, spec, mask_id, source, types_source,
+    return ResolvedRun(dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=mask_id)), dcfg, spec, mask_id, source, types_source,
                        store.hidden_size * store.num_layers, _store_record(cfg, store), init)
 
 

@@ -39,8 +39,8 @@ class ResolvedRun:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
         from dflash.target_model.files import load_embed_and_head
 
-        embed, head = load_embed_and_head(self.cfg.target)
-        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
+        embed, head = load_embed_and_head(self.cfg.job.target)
+        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.systems.precision != "fp32" else torch.float32
         embed = embed.to(device, dtype)
         head = embed if head is embed else head.to(device, dtype)
         return embed.requires_grad_(False), head.requires_grad_(False)
@@ -48,12 +48,12 @@ class ResolvedRun:
     def final_norm(self, device: torch.device) -> torch.Tensor | None:
         """The target's frozen final norm weight for DSpark's target distribution (--arch dspark with
         tv_source final_hidden), in the lm_head's dtype on `device`; None for every other run."""
-        if self.cfg.arch != "dspark" or self.cfg.tv_source != "final_hidden":
+        if self.cfg.drafter.arch != "dspark" or self.cfg.dspark.tv_source != "final_hidden":
             return None
         from dflash.target_model.files import load_final_norm
 
-        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.precision != "fp32" else torch.float32
-        return load_final_norm(self.cfg.target).to(device, dtype).requires_grad_(False)
+        dtype = torch.bfloat16 if device.type == "cuda" and self.cfg.systems.precision != "fp32" else torch.float32
+        return load_final_norm(self.cfg.job.target).to(device, dtype).requires_grad_(False)
 
     def with_init_applied(self, note: str) -> ResolvedRun:
         """This run, its --drafter-init record saying how the weights were set (a fresh copy or a resume)."""

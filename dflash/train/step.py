@@ -26,15 +26,15 @@ HOST_PHASES = ("fwd", "loss", "bwd", "opt", "sync")
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     """Linear warm-up, then cosine decay to min_lr_ratio * lr at the last step (step is 0-based)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total - cfg.warmup_steps)
-    t = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    if step < cfg.optim.warmup_steps:
+        return cfg.optim.lr * (step + 1) / cfg.optim.warmup_steps
+    span = max(1, total - cfg.optim.warmup_steps)
+    t = min(1.0, (step - cfg.optim.warmup_steps) / span)
+    return cfg.optim.lr * (cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def compiled(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+    return cfg.systems.compile == "on" or (cfg.systems.compile == "auto" and device.type == "cuda")
 
 
 @dataclasses.dataclass
@@ -102,9 +102,9 @@ def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: i
     """(module to call, the raw drafter, the DDP wrapper or None) with DDP / FSDP2 and compile applied."""
     from dflash.drafter import build_drafter
 
-    torch.manual_seed(cfg.seed)  # same init on every rank (DDP would broadcast it anyway)
+    torch.manual_seed(cfg.job.seed)  # same init on every rank (DDP would broadcast it anyway)
     raw = build_drafter(drafter_config, flex_kernel_options).to(device)  # DFlashDrafter or DFlash2Drafter
-    ddp = parallel.wrap(raw, cfg.parallel, device, world)
+    ddp = parallel.wrap(raw, cfg.systems.parallel, device, world)
     if compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair
         # of the plan's short list compiles once.
@@ -114,26 +114,26 @@ def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: i
         # the drafter is compiled whole and DDP gets every gradient at once, after the backward: the
         # all-reduce is exposed, but no NCCL kernel shares the SMs with the backward.  Not CUDA graphs
         # (mode="reduce-overhead"): the compiled backward re-recorded its graph every step (BENCHMARKS).
-        (ddp if ddp is not None and cfg.ddp_overlap else raw).compile(dynamic=False)
+        (ddp if ddp is not None and cfg.systems.ddp_overlap else raw).compile(dynamic=False)
     return (ddp or raw), raw, ddp
 
 
 def make_optimizer(raw, cfg: TrainConfig, device: torch.device):
     decay = [p for p in raw.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in raw.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused (one kernel over all parameters, taking the clipping factor as grad_scale, see clip); on CPU
     # too, so tests run the same path, except FSDP2 on CPU, which it does not support.
-    fused = device.type == "cuda" or cfg.parallel != "fsdp"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+    fused = device.type == "cuda" or cfg.systems.parallel != "fsdp"
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), fused=fused)
 
 
 def clip(raw, optimizer, cfg: TrainConfig, world: int) -> torch.Tensor:
-    """The gradient norm; gradients above cfg.grad_clip are scaled down by the fused AdamW kernel itself
+    """The gradient norm; gradients above cfg.optim.grad_clip are scaled down by the fused AdamW kernel itself
     (its grad_scale input divides every gradient as it reads it), which saves clip_grad_norm_'s extra
     read-modify-write pass over all gradients."""
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    if not optimizer.defaults.get("fused") or (world > 1 and cfg.parallel == "fsdp"):
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    if not optimizer.defaults.get("fused") or (world > 1 and cfg.systems.parallel == "fsdp"):
         norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
@@ -153,10 +153,10 @@ class TrainStep:
         self.embed, self.head = embed, head
         self.final_norm = final_norm  # the target's final norm weight: DSpark's target distribution (§12)
         self.compiled = compiled(cfg, device)
-        self.loss_kernel = chunk_kernel(cfg.loss_kernel, cfg.kd_weight > 0, device, self.compiled)
-        self.fsdp = world > 1 and cfg.parallel == "fsdp"
+        self.loss_kernel = chunk_kernel(cfg.objective.loss_kernel, cfg.objective.kd_weight > 0, device, self.compiled)
+        self.fsdp = world > 1 and cfg.systems.parallel == "fsdp"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if device.type == "cuda" and cfg.precision in ("auto", "bf16") else nullcontext())
+                         if device.type == "cuda" and cfg.systems.precision in ("auto", "bf16") else nullcontext())
         # The host's seconds per phase, summed over steps.  "sync" (waiting for the device) is added by
         # the trainer when it reads a step's statistics.
         self.host = dict.fromkeys(HOST_PHASES, 0.0)
@@ -175,7 +175,7 @@ class TrainStep:
             dist.all_reduce(denom)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        stats = StepStats.zeros(cfg.block_size, device)
+        stats = StepStats.zeros(cfg.drafter.block_size, device)
         new_shape = False
         for i, item in enumerate(items):
             m = feeder.ready(item)
@@ -190,7 +190,7 @@ class TrainStep:
                 self.raw.set_requires_gradient_sync(last_micro)
             with sync:
                 # micro_batch: this micro-batch's own mean / the step's micro-batches (DDP averages processes)
-                out = self.forward_backward(m, denom / self.world if cfg.loss_norm == "step"
+                out = self.forward_backward(m, denom / self.world if cfg.objective.loss_norm == "step"
                                             else max(item[0].loss_weight_sum, 1e-12) * len(items))
             if i == 0 and prefetch:
                 # The next step's host-to-device copies overlap this step's compute.
@@ -237,19 +237,19 @@ class TrainStep:
             return self.dspark_loss(m, hidden, denom)
         dflash2 = self.raw.selects_candidates
         pre = sel = None
-        if cfg.loss == "dpace" or dflash2:
+        if cfg.objective.loss == "dpace" or dflash2:
             sel = obj.labelled(labels, m.label_index)
-            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.lm_head_chunk, self.raw if dflash2 else None,
-                                   ce=cfg.loss == "dpace")
-        if cfg.loss == "dpace":
-            weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.block_size, cfg.dpace_alpha)
-        out = block_loss(hidden, self.head, labels, weight, block_size=cfg.block_size, denom=denom,
-                         topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, kd_weight=cfg.kd_weight,
-                         kd_temperature=cfg.kd_temperature, chunk=cfg.lm_head_chunk,
+            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.objective.lm_head_chunk, self.raw if dflash2 else None,
+                                   ce=cfg.objective.loss == "dpace")
+        if cfg.objective.loss == "dpace":
+            weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.drafter.block_size, cfg.objective.dpace_alpha)
+        out = block_loss(hidden, self.head, labels, weight, block_size=cfg.drafter.block_size, denom=denom,
+                         topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, kd_weight=cfg.objective.kd_weight,
+                         kd_temperature=cfg.objective.kd_temperature, chunk=cfg.objective.lm_head_chunk,
                          label_index=m.label_index, kernel=self.loss_kernel)
         if dflash2:
             out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m.block_input_ids, weight, sel,
-                                        block_size=cfg.block_size, denom=denom, weight=cfg.selector_loss_weight)
+                                        block_size=cfg.drafter.block_size, denom=denom, weight=cfg.dflash2.selector_loss_weight)
         return out
 
     def dspark_loss(self, m: MicroBatch, hidden: torch.Tensor, denom):
@@ -258,13 +258,13 @@ class TrainStep:
         from dflash.train.objectives import previous_tokens
 
         cfg = self.cfg
-        prev = previous_tokens(m.labels, m.block_input_ids, cfg.block_size)
+        prev = previous_tokens(m.labels, m.block_input_ids, cfg.drafter.block_size)
         return dspark_block_loss(self.raw, hidden, self.head, m.labels, m.loss_weight, prev,
-                                 block_size=cfg.block_size, denom=denom, ce_weight=cfg.dspark_ce_weight,
-                                 tv_weight=cfg.dspark_tv_weight, confidence_weight=cfg.dspark_confidence_weight,
-                                 tv_source=cfg.tv_source, final_hidden=m.final_hidden, norm_weight=self.final_norm,
+                                 block_size=cfg.drafter.block_size, denom=denom, ce_weight=cfg.dspark.dspark_ce_weight,
+                                 tv_weight=cfg.dspark.dspark_tv_weight, confidence_weight=cfg.dspark.dspark_confidence_weight,
+                                 tv_source=cfg.dspark.tv_source, final_hidden=m.final_hidden, norm_weight=self.final_norm,
                                  eps=self.raw.config.rms_norm_eps, topk_ids=m.topk_ids,
-                                 topk_logprobs=m.topk_logprobs, chunk=cfg.lm_head_chunk, label_index=m.label_index)
+                                 topk_logprobs=m.topk_logprobs, chunk=cfg.objective.lm_head_chunk, label_index=m.label_index)
 
     def state_dict(self) -> tuple[dict, dict]:
         """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and

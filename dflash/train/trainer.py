@@ -66,7 +66,7 @@ class Trainer:
         cfg = run.cfg
         self.run, self.cfg, self.device, self.rank, self.world = run, cfg, device, rank, world
         self.step_gc = step_gc or StepGC(0)
-        if world > 1 and cfg.parallel == "fsdp" and cfg.eval_every:
+        if world > 1 and cfg.systems.parallel == "fsdp" and cfg.monitor.eval_every:
             raise ConfigError("--eval-every needs the whole drafter in one process; with --parallel fsdp evaluate "
                               "checkpoints with `dflash eval` instead.")
         if rank == 0:
@@ -80,7 +80,7 @@ class Trainer:
         self.step, self.epoch, self.samples_done = 0, 0, 0
         self.snapshot: dict[str, int] | None = None  # the epoch's view of the store (None: take one)
         # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
-        self.balance_group = world * cfg.grad_accum if cfg.balance_steps else 1
+        self.balance_group = world * cfg.optim.grad_accum if cfg.data.balance_steps else 1
         self.feeder, self.slots, self.wait_before = None, None, 0.0
 
     # ------------------------------------------------------------------------------------ state
@@ -112,7 +112,7 @@ class Trainer:
     def resume(self) -> None:
         """Load the newest checkpoint of the run directory, if --resume and there is one; the run's record
         (a new ResolvedRun) says how the drafter's weights were set."""
-        found = ckpt.load_latest(Path(self.cfg.out)) if self.cfg.resume else None  # skips unreadable ones
+        found = ckpt.load_latest(Path(self.cfg.job.out)) if self.cfg.checkpoint.resume else None  # skips unreadable ones
         init = self.run.drafter_init
         if found is None:
             if init:
@@ -139,8 +139,8 @@ class Trainer:
         state = self.state_dict()
         if self.rank == 0:
             model_state = state.pop("model")
-            ckpt.save_checkpoint(Path(self.cfg.out), self.step, model_state, self.run.drafter_config.to_hf_dict(),
-                                 state, self.run.record(self.world), keep=self.cfg.keep_checkpoints)
+            ckpt.save_checkpoint(Path(self.cfg.job.out), self.step, model_state, self.run.drafter_config.to_hf_dict(),
+                                 state, self.run.record(self.world), keep=self.cfg.checkpoint.keep_checkpoints)
         self._barrier()
 
     # ------------------------------------------------------------------------------------ the loop
@@ -164,16 +164,16 @@ class Trainer:
         """Sampler, DataLoader (its workers) and feeder over the rest of this epoch, up to the last step."""
         cfg = self.cfg
         steps = min(self.epoch_steps_left, total - self.step)
-        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.grad_accum, self.epoch, self.start_batch, steps)
-        if self.slots is None and cfg.batch_slots:
+        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.optim.grad_accum, self.epoch, self.start_batch, steps)
+        if self.slots is None and cfg.data.batch_slots:
             # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
-            self.slots = BatchSlots(default_num_slots(cfg.num_workers, cfg.grad_accum),
+            self.slots = BatchSlots(default_num_slots(cfg.data.num_workers, cfg.optim.grad_accum),
                                     L.batch_bytes(self.run.spec, self.run.feature_width),
                                     pin=self.device.type == "cuda")
-        loader = L.make_loader(self.dataset, sampler, cfg.num_workers, pin_memory=self.device.type == "cuda",
+        loader = L.make_loader(self.dataset, sampler, cfg.data.num_workers, pin_memory=self.device.type == "cuda",
                                slots=self.slots)
         self.step_plan = sampler.step_keys()
-        self.feeder = DeviceFeeder(loader, self.device, cfg.grad_accum, slots=self.slots)
+        self.feeder = DeviceFeeder(loader, self.device, cfg.optim.grad_accum, slots=self.slots)
 
     def _close_loader(self) -> None:
         if self.feeder is not None:
@@ -208,7 +208,7 @@ class Trainer:
         self.step += 1
         self.epoch_steps_left -= 1
         # Data position: everything up to the end of this step's micro-batches, in samples.
-        end = step_first + self.world * cfg.grad_accum
+        end = step_first + self.world * cfg.optim.grad_accum
         self.epoch, self.samples_done = step_epoch, int(self.dataset.plan(step_epoch).samples_before[end])
         return step_epoch
 
@@ -219,14 +219,14 @@ class Trainer:
         opened = time.perf_counter()  # the first step's interval counts the wait for data (--follow: the store)
         self._open_epoch()
         # With --epochs the run's length comes from the store as it is when the run starts (or resumes).
-        total = cfg.steps if cfg.steps else max(1, int(cfg.epochs * L.steps_per_epoch(self.dataset, self.world,
-                                                                                           cfg.grad_accum)))
+        total = cfg.optim.steps if cfg.optim.steps else max(1, int(cfg.optim.epochs * L.steps_per_epoch(self.dataset, self.world,
+                                                                                           cfg.optim.grad_accum)))
         self._start_loader(total)
         logger = (RunLogger(cfg, self.run, self.dataset.store, self.rank, self.world, self.step, total,
-                            loss_kernel=loss_kernel_note(cfg.loss_kernel, cfg.kd_weight > 0, self.device))
+                            loss_kernel=loss_kernel_note(cfg.objective.loss_kernel, cfg.objective.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
         self.tracker = _StepTracker(self, logger, total, since=opened)
-        profiler = StepProfiler(cfg.out, self.rank, cfg.profile_start, cfg.profile_steps, self.device)
+        profiler = StepProfiler(cfg.job.out, self.rank, cfg.monitor.profile_start, cfg.monitor.profile_steps, self.device)
         steps_run = 0
         while self.step < total:
             profiler.before_step(steps_run)
@@ -238,8 +238,8 @@ class Trainer:
             step_gc.after_step(steps_run, warming_up=warm or self.new_shape)
             profiler.after_step(steps_run)
             self.tracker.end(epoch, counts_recompiles=not (warm or self.new_shape), compiles_before=compiles_before)
-            evaluate = cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == total)
-            save = (cfg.save_every and self.step % cfg.save_every == 0) or self.step == total
+            evaluate = cfg.monitor.eval_every and (self.step % cfg.monitor.eval_every == 0 or self.step == total)
+            save = (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or self.step == total
             if evaluate or save:
                 self.tracker.flush(self._heldout_eval() if evaluate else None)
             if save:
@@ -256,7 +256,7 @@ class Trainer:
     def _warm_steps(self) -> int:
         # A compiled DDP wrapper also compiles in its second step: DDP rebuilds its gradient buckets
         # after the first iteration (in gradient-ready order), which changes dynamo's graph split.
-        ddp_compiled = self.step_fn.ddp is not None and compiled(self.cfg, self.device) and self.cfg.ddp_overlap
+        ddp_compiled = self.step_fn.ddp is not None and compiled(self.cfg, self.device) and self.cfg.systems.ddp_overlap
         return 2 if ddp_compiled else 1
 
     def _heldout_eval(self) -> dict:
@@ -267,10 +267,10 @@ class Trainer:
         from dflash.train.heldout import offline_tau
 
         if self.eval_store is None:  # its manifest was checked by preflight
-            self.eval_store = open_store(self.cfg.eval_store, require_complete=True)
+            self.eval_store = open_store(self.cfg.monitor.eval_store, require_complete=True)
         spec, fn = self.run.spec, self.step_fn
-        res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.num_anchors,
-                          seed=self.cfg.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
+        res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.data.num_anchors,
+                          seed=self.cfg.job.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
                           progress=False)
         return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
 
@@ -329,7 +329,7 @@ class _StepTracker:
             if self.last_event is not None:
                 device_dt = self.last_event.elapsed_time(p.event) / 1e3
             self.last_event = p.event
-        stats = StepStats.from_vector(p.stats.tolist(), self.t.cfg.block_size)
+        stats = StepStats.from_vector(p.stats.tolist(), self.t.cfg.drafter.block_size)
         rec = step_record(p, stats, device_dt, self.t.cfg, self.t.device, compile_count() - self.compiles0)
         rec.update(extra or {})
         if p.step > 1 or self.total == 1:
@@ -357,7 +357,7 @@ def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | 
     try:
         if isinstance(run, TrainConfig):
             run = resolved_by_rank0(run, rank, world)
-        with StepGC(run.cfg.gc_every) as step_gc:
+        with StepGC(run.cfg.systems.gc_every) as step_gc:
             return Trainer(run, dev, rank, world, step_gc).train()
     finally:
         if dist.is_initialized():

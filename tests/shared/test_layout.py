@@ -38,7 +38,7 @@ def module_name(path: Path) -> str:
 def layer(mod: str) -> str:
     if mod == "dflash.cli":
         return "cli"
-    if mod in SHARED or mod.startswith(("dflash.target_model", "dflash.drafter")):
+    if mod in SHARED or mod.startswith(("dflash.config.", "dflash.target_model", "dflash.drafter")):
         return "shared"
     return mod.split(".")[1]
 

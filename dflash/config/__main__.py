@@ -1,0 +1,3 @@
+from dflash.config.docs import options_markdown
+
+print(options_markdown())

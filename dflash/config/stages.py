@@ -1,0 +1,140 @@
+"""The configs of the commands other than `dflash train`: generate, precompute, eval and export (one flat
+group of options each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dflash.config.fields import AutoDtype, AutoOnOff, Options, opt
+
+HiddenDtype = Literal["bf16", "fp8"]
+Writer = Literal["process", "thread"]
+EvalDtype = Literal["fp32", "bf16"]
+ExportDtype = Literal["bf16", "fp16", "fp32"]
+Thinking = Literal["on", "off", "template"]
+Turns = Literal["all", "last", "none"]
+
+
+@dataclass
+class GenerateConfig(Options):
+    """`dflash generate`: the target writes the dataset's assistant turns, in-process or through an
+    OpenAI-compatible server; resumable (docs/DESIGN.md §10)."""
+
+    target: str = opt("", "Local target checkpoint: the in-process model; with --endpoint optional (its chat "
+                      "template is checked for the thinking switch).")
+    data: str = opt("", "Conversations: json/jsonl/parquet/arrow file(s) or a saved `datasets` directory.")
+    out: str = opt("", "Output JSON-lines file, the rows in the format read; rerunning the same command resumes.")
+    endpoint: str | None = opt(None, "Base URL of an OpenAI-compatible server (vLLM, SGLang, `transformers "
+                               "serve`), e.g. http://127.0.0.1:8000/v1; default: generate in-process.")
+    model: str | None = opt(None, "Model name on the server; default the one it lists, when it lists one.")
+    gpus: str = opt("auto", "In-process: 'auto' (CUDA when present), 'cpu', or GPU ids '0,1' (one process each; an "
+                    "id may repeat, '0,0,0,0' = four processes on GPU 0, for a small target whose generate "
+                    "loop leaves the GPU idle).")
+    dtype: AutoDtype = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.")
+    batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
+    max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
+    temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
+    top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
+    seed: int = opt(0, "Sampling seed (row r of a request is seeded seed + r on servers that take a seed).")
+    thinking: Thinking = opt("template", "The chat template's thinking switch (enable_thinking): on, off, or the "
+                             "template's own default. Match the serving setup.")
+    turns: Turns = opt("all", "Assistant turns to regenerate: all (each after the target's own earlier turns), last, "
+                       "or none (the rows written back as read: the pipeline's stage switched off).")
+    concurrency: int = opt(16, "With --endpoint: requests in flight.")
+    timeout: float = opt(600.0, "With --endpoint: seconds a request may take before it is retried.")
+    retries: int = opt(5, "With --endpoint: retries of a request that timed out or met a connection error, 408, "
+                       "429 or 5xx, with exponential backoff.")
+    split: str = opt("train", "Split to read from a saved DatasetDict.")
+    max_samples: int | None = opt(None, "Read only the first N rows.")
+    trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
+    overwrite: bool = opt(False, "Discard an existing output and its journal and start over.")
+    restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing output was made from "
+                                "other inputs (for pipelines); the same inputs resume.")
+
+
+@dataclass
+class PrecomputeConfig(Options):
+    """`dflash precompute`: run the target over a dataset and write a store (docs/DESIGN.md §5)."""
+
+    target: str = opt("", "Local directory of the target checkpoint (any AutoModelForCausalLM).")
+    data: str = opt("", "Conversations: json/jsonl/parquet/arrow file(s) or a saved `datasets` directory.")
+    out: str = opt("", "Store directory to write; rerunning the same command resumes it.")
+    shards: int = opt(1, "Shards = processes, one per GPU; under torchrun the world size wins.")
+    gpus: str = opt("auto", "'auto' (CUDA when present), 'cpu', or GPU ids '0,1,2,3,4' (one per shard).")
+    target_layers: list[int] | None = opt(
+        None, "0-based target layers to capture, e.g. 1,9,17,25,33 (the output of layer i); "
+        "default: evenly spaced for --num-draft-layers, never the last layer (docs/DESIGN.md §2).")
+    num_draft_layers: int = opt(3, "Drafter depth the default target layers are chosen for (as `dflash train "
+                                "--num-layers`, default 3).")
+    max_length: int = opt(2048, "Samples longer than this many tokens are truncated (and counted).")
+    topk: int = opt(8, "Target top-k log-probs stored per position, for KD; 0 = off.")
+    hidden_dtype: HiddenDtype = opt("bf16", "Stored hidden states: bf16, or fp8 (e4m3 with a per-token-per-layer scale: "
+                                    "half the bytes).")
+    final_hidden: bool = opt(False, "Store the target's last hidden state too (`final_hidden` [T, H], the last "
+                             "decoder layer's output before the final norm, in --hidden-dtype): DSpark "
+                             "needs it. Adds 2*H bytes per token in bf16, H+4 in fp8.")
+    token_budget: int = opt(16384, "Tokens per target forward batch (padded length x rows).")
+    lm_head_chunk: int = opt(4096, "Positions per lm_head chunk when computing the top-k.")
+    commit_every_tokens: int = opt(32768, "A shard commits (becomes durable and resumable) every N tokens.")
+    store_chunk_tokens: int | None = opt(None, "Zarr inner chunk in tokens; default ~4 MB of hidden states.")
+    split: str = opt("train", "Split to read from a saved DatasetDict.")
+    max_samples: int | None = opt(None, "Read only the first N rows (smoke tests).")
+    render_workers: int | None = opt(None, "Processes per shard that render rows (chat template + tokenizer) ahead "
+                                     "of the capture; 0 renders inline. Default: on a GPU, the host's cores per "
+                                     "shard less 2, at most 8; on the CPU, 0.")
+    dtype: AutoDtype = opt("auto", "Target compute dtype: auto = bf16 on GPU, fp32 on CPU.")
+    compile: AutoOnOff = opt("auto", "torch.compile the top-k log-prob reduction (auto: on for CUDA).")
+    writer: Writer = opt("process", "Where the store is written: a process per shard (keeps the GIL free for the "
+                         "GPU) or a thread of the shard's process.")
+    trust_remote_code: bool = opt(False, "Allow the target's own modelling code (only when you trust it).")
+    overwrite: bool = opt(False, "Delete an existing store and start over.")
+    append: bool = opt(False, "Grow an existing store: capture only the conversations of --data it does not hold "
+                       "(matched by content, not row), as a new part; committed samples stay as they are.")
+    skip_bad_rows: bool = opt(False, "Leave out the rows dflash cannot use (unknown format or role, a content that "
+                              "is not text, a conversation the chat template refuses or renders without its "
+                              "replies) instead of stopping; each is listed in STORE/skipped_rows.jsonl with its "
+                              "file, line and reason, and counted in the summary.")
+    restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
+                                "other inputs (for pipelines); a store of the same inputs is resumed, and with "
+                                "--append another dataset is not another input.")
+    seed: int = opt(0, "Seed of the shard split.")
+
+
+@dataclass
+class EvalConfig(Options):
+    """`dflash eval`: offline tau on a held-out store, or online speculative decoding (docs/DESIGN.md §6)."""
+
+    run: str = opt("", "Run directory or checkpoint directory.")
+    store: str | None = opt(None, "Held-out store: offline acceptance length.")
+    prompts: str | None = opt(None, "Held-out conversations: online speculative decoding against the target.")
+    target: str | None = opt(None, "Target directory (online; offline only when the run does not record it).")
+    out: str | None = opt(None, "Output JSON; default RUN/eval.json.")
+    plots: bool = opt(True, "Write PNG plots beside the JSON.")
+    max_samples: int | None = opt(None, "Evaluate at most N samples or prompts.")
+    max_new_tokens: int = opt(128, "Tokens to generate per prompt (online).")
+    reference: str | None = opt(None, "Online: a JSON file of the target-only greedy outputs, reused when it was "
+                                "made from the same target, prompt tokens, --max-new-tokens, dtype and device "
+                                "kind (written when absent or stale): evaluating many checkpoints then decodes "
+                                "the target alone once.")
+    num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
+    device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
+    dtype: EvalDtype = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
+                           "serving speed.")
+    seed: int = opt(0, "Seed of the held-out anchors.")
+    confidence_threshold: float = opt(0.5, "Online, --arch dspark: also decode with the confidence head choosing "
+                                      "the drafts to verify (survival probability >= this, as vLLM's "
+                                      "dspark_confidence_threshold); tau both ways in the JSON; 0 = off.")
+
+
+@dataclass
+class ExportConfig(Options):
+    """`dflash export SOURCE OUT`: a DFlashDraftModel directory the serving engines load (docs/DESIGN.md §6)."""
+
+    source: str = opt("", "Run directory or checkpoint directory.")
+    out: str = opt("", "Export directory.")
+    check: bool = opt(False, "Reload the export and compare its logits with the training model.")
+    dtype: ExportDtype = opt("bf16", "Weights dtype of the export; --check rounds the reference alike.")
+
+
+__all__ = ["EvalConfig", "ExportConfig", "GenerateConfig", "PrecomputeConfig"]
