@@ -119,6 +119,9 @@ class EvalConfig(Options):
                                 "the target alone once.")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
+    workers: int = opt(1, "Online: processes decoding the prompts, a contiguous slice each, all on --device "
+                       "(one prompt at a time leaves a GPU mostly idle); merged in prompt order, so tau and the "
+                       "lossless check are one process's, the speed-up indicative.")
     dtype: EvalDtype = opt("fp32", "Online target and drafter dtype: fp32 keeps the lossless check exact; bf16 is "
                            "serving speed.")
     seed: int = opt(0, "Seed of the held-out anchors.")

@@ -75,15 +75,12 @@ def _margin(target, prompt: torch.Tensor, ref: list[int], got: list[int], at: in
 
 
 @torch.no_grad()
-def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
-                propose=None, progress: bool = True, confidence_threshold: float | None = None,
-                reference: ReferenceFile | None = None) -> dict:
-    """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality.
-
-    A DSpark drafter with a confidence head is decoded a second time with `confidence_threshold`, its
-    confidence choosing how many drafts the target verifies (as vLLM's dspark_confidence_threshold): the
-    result's `confidence` entry reports tau, drafts verified per step and losslessness of that decoding.
-    `reference` keeps the target-only outputs across evals (dflash.evaluate.reference)."""
+def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None, *, max_new_tokens: int,
+                   eos_ids: set[int], propose=None, confidence_threshold: float | None = None,
+                   on_prompt=None) -> list[dict]:
+    """Each prompt decoded target-only (unless `refs`, the target-only Generations, are given) and
+    speculatively (and with the confidence head choosing the verified prefix, when the drafter has one
+    and a threshold is set): one JSON-able record per prompt, in order.  `on_prompt()` after each."""
     from dflash.evaluate.speculative import greedy_generate, speculative_generate
 
     device = next(target.parameters()).device
@@ -91,67 +88,92 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
     # Warm-up (kernels, allocator, lazy inits) so that neither side pays it inside the timing.
     greedy_generate(target, as_ids[0], min(8, max_new_tokens), eos_ids)
     speculative_generate(target, drafter, as_ids[0], min(8, max_new_tokens), eos_ids, propose=propose)
-    refs = reference.load() if reference is not None else None
-    reused = refs is not None
-    refs = refs or []
-    taus: list[int] = []
-    base_s = spec_s = 0.0
-    base_n = spec_n = 0
-    mismatches = []
-    for i, ids in enumerate(tqdm(as_ids, desc="speculative decoding", unit="prompt", disable=not progress)):
-        if reused:
-            ref = refs[i]
-        else:
-            ref = greedy_generate(target, ids, max_new_tokens, eos_ids)
-            refs.append(ref)
+    confident = confidence_threshold is not None and getattr(drafter, "confidence_head", None) is not None
+    records = []
+    for i, ids in enumerate(as_ids):
+        ref = refs[i] if refs is not None else greedy_generate(target, ids, max_new_tokens, eos_ids)
         got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, propose=propose)
-        base_s, base_n = base_s + ref.seconds, base_n + len(ref.tokens)
-        spec_s, spec_n = spec_s + got.seconds, spec_n + len(got.tokens)
-        taus += got.acceptance
+        rec = {"ref": {"tokens": ref.tokens, "seconds": ref.seconds},
+               "got": {"tokens": got.tokens, "seconds": got.seconds, "acceptance": got.acceptance}}
         if got.tokens != ref.tokens:
             at = next((j for j, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b),
                       min(len(got.tokens), len(ref.tokens)))
-            mismatches.append({"prompt": i, "first_difference": at, "target_only": ref.tokens[at : at + 8],
+            rec["mismatch"] = {"prompt": i, "first_difference": at, "target_only": ref.tokens[at : at + 8],
                                "speculative": got.tokens[at : at + 8],
-                               "logit_margin": _margin(target, ids, ref.tokens, got.tokens, at)})
-    if reference is not None and not reused:
-        reference.save(refs)
-    B = drafter.config.block_size
-    out = summarize(np.asarray(taus), B)
+                               "logit_margin": _margin(target, ids, ref.tokens, got.tokens, at)}
+        if confident:  # docs/DESIGN.md §12
+            c = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids,
+                                     confidence_threshold=confidence_threshold)
+            rec["confidence"] = {"tokens": c.tokens, "acceptance": c.acceptance, "verified": c.verified}
+        records.append(rec)
+        if on_prompt is not None:
+            on_prompt()
+    return records
+
+
+def summarize_online(records: list[dict], block_size: int, threshold: float | None) -> dict:
+    """tau, tokens/s both ways and losslessness over every prompt's record (decode_prompts)."""
+    taus = [t for r in records for t in r["got"]["acceptance"]]
+    base_s = sum(r["ref"]["seconds"] for r in records)
+    spec_s = sum(r["got"]["seconds"] for r in records)
+    base_n = sum(len(r["ref"]["tokens"]) for r in records)
+    spec_n = sum(len(r["got"]["tokens"]) for r in records)
+    mismatches = [r["mismatch"] for r in records if "mismatch" in r]
+    out = summarize(np.asarray(taus), block_size)
     base_tps, spec_tps = base_n / max(base_s, 1e-9), spec_n / max(spec_s, 1e-9)
-    if confidence_threshold is not None and getattr(drafter, "confidence_head", None) is not None:
-        out["confidence"] = _confidence_pass(target, drafter, as_ids, refs, max_new_tokens, eos_ids,
-                                             confidence_threshold, progress)
+    if any("confidence" in r for r in records):
+        ctaus = [t for r in records for t in r["confidence"]["acceptance"]]
+        verified = [v for r in records for v in r["confidence"]["verified"]]
+        conf = summarize(np.asarray(ctaus), block_size)
+        conf.update(threshold=threshold,
+                    lossless=all(r["confidence"]["tokens"] == r["ref"]["tokens"] for r in records),
+                    drafts_verified_per_step=float(np.mean(verified)) if verified else 0.0,
+                    tokens_per_target_forward=sum(len(r["confidence"]["tokens"]) for r in records)
+                    / max(len(ctaus) + len(records), 1))
+        out["confidence"] = conf
     out.update(
         lossless=not mismatches,
         mismatches=mismatches,
-        num_prompts=len(prompts),
+        num_prompts=len(records),
         new_tokens=spec_n,
         tokens_per_s_target=base_tps,
         tokens_per_s_speculative=spec_tps,
         speedup=spec_tps / base_tps if base_tps else None,
-        tokens_per_target_forward=spec_n / max(len(taus) + len(prompts), 1),
-        reference=None if reference is None else {"path": str(reference.path), "reused": reused},
+        tokens_per_target_forward=spec_n / max(len(taus) + len(records), 1),
     )
     return out
 
 
-def _confidence_pass(target, drafter, as_ids, refs, max_new_tokens: int, eos_ids: set[int], threshold: float,
-                     progress: bool) -> dict:
-    """Online decoding with the confidence head choosing the verified prefix (docs/DESIGN.md §12)."""
-    from dflash.evaluate.speculative import speculative_generate
+def reference_generations(records: list[dict]) -> list:
+    from dflash.evaluate.speculative import Generation
 
-    taus, verified, lossless, n = [], [], True, 0
-    for ids, ref in zip(tqdm(as_ids, desc="speculative decoding (confidence)", unit="prompt", disable=not progress),
-                        refs):
-        got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, confidence_threshold=threshold)
-        taus += got.acceptance
-        verified += got.verified
-        lossless = lossless and got.tokens == ref.tokens
-        n += len(got.tokens)
-    out = summarize(np.asarray(taus), drafter.config.block_size)
-    out.update(threshold=threshold, lossless=lossless, drafts_verified_per_step=float(np.mean(verified)) if verified
-               else 0.0, tokens_per_target_forward=n / max(len(taus) + len(as_ids), 1))
+    return [Generation(tokens=r["ref"]["tokens"], seconds=r["ref"]["seconds"]) for r in records]
+
+
+@torch.no_grad()
+def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
+                propose=None, progress: bool = True, confidence_threshold: float | None = None,
+                reference: ReferenceFile | None = None) -> dict:
+    """Speculative vs target-only greedy decoding on `prompts`: tau, tokens/s, token-for-token equality.
+
+    With exact arithmetic the two outputs are identical; a mismatch means a bug (or, in bf16, a near-tie
+    that one-token and block forwards round differently: `logit_margin` tells which).  `propose` is a
+    test hook (see speculative_generate).  `confidence_threshold`: a DSpark drafter is also decoded with
+    its confidence head choosing the verified prefix, reported under "confidence" (docs/DESIGN.md §12).
+    `reference` keeps the target-only outputs across evals (dflash.evaluate.reference)."""
+    refs = reference.load() if reference is not None else None
+    bar = tqdm(total=len(prompts), desc="speculative decoding", unit="prompt", disable=not progress)
+    records = decode_prompts(target, drafter, prompts, refs, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                             propose=propose, confidence_threshold=confidence_threshold, on_prompt=bar.update)
+    bar.close()
+    return finish_online(records, drafter.config.block_size, confidence_threshold, reference, refs is not None)
+
+
+def finish_online(records: list[dict], block_size: int, threshold: float | None, reference, reused: bool) -> dict:
+    if reference is not None and not reused:
+        reference.save(reference_generations(records))
+    out = summarize_online(records, block_size, threshold)
+    out["reference"] = None if reference is None else {"path": str(reference.path), "reused": reused}
     return out
 
 
@@ -257,17 +279,29 @@ def run_eval(cfg: EvalConfig) -> dict:
 
         dtype = dtypes[cfg.dtype]
         tokenizer = load_tokenizer(target_dir)
-        target = load_target(target_dir, dtype, device)
-        drafter.to(device=device, dtype=dtype)
         prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples)
         reference = None
         if cfg.reference:
             from dflash.evaluate.reference import ReferenceFile
 
             reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
-        online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
-                             eos_ids=eos_token_ids(target, tokenizer),
-                             confidence_threshold=cfg.confidence_threshold or None, reference=reference)
+        threshold = cfg.confidence_threshold or None
+        if cfg.workers < 1:
+            raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
+        if cfg.workers > 1:
+            from dflash.evaluate.workers import run_workers
+
+            refs = reference.load() if reference is not None else None
+            job = {"checkpoint": str(ckpt), "target": target_dir, "device": str(device), "dtype": cfg.dtype,
+                   "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
+            records = run_workers(job, prompts, refs, cfg.workers)
+            online = finish_online(records, drafter.config.block_size, threshold, reference, refs is not None)
+        else:
+            target = load_target(target_dir, dtype, device)
+            drafter.to(device=device, dtype=dtype)
+            online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
+                                 eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
+                                 reference=reference)
         online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
         result["online"] = online
         result["lossless"] = online["lossless"] and (online.get("confidence") or {}).get("lossless", True)
@@ -300,5 +334,5 @@ def run_eval(cfg: EvalConfig) -> dict:
     return result
 
 
-__all__ = ["offline_tau", "online_eval", "summarize", "load_prompts", "run_eval",
-           "write_outputs"]
+__all__ = ["offline_tau", "online_eval", "decode_prompts", "summarize_online", "summarize", "load_prompts",
+           "run_eval", "write_outputs"]
