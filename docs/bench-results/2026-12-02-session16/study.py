@@ -4,21 +4,22 @@
     python3 study.py collect           # one JSON summary of every run, eval, timing and store
 
 The driver works in /root/ex (the example's directory: params.yaml, stages/, cache/, data/) and runs the
-project's own commands there, in this order:
-  1. the example's target stage (the GGUF joined by call 3 -> bf16 safetensors);
-  2. bench/capture_rate.py without --cli on the real target: the bare forward, forward + lm_head and
-     Capture rates (issue 32's denominator);
-  3. `dflash precompute` of the 4K training conversations with --final-hidden, alone on the GPU (its
-     shard status.json is the CLI's capture rate on the real target), then the held-out store;
-  4. each distinct training shape alone on the GPU for SOLO_STEPS steps: the step time that turns a run's
-     steps into GPU-minutes (docs/RECIPE.md); the first one's checkpoint feeds the eval that writes the
-     target-only reference (eval --reference), in the background from then on;
-  5. `dflash generate` of the training conversations' first exchanges (8 workers on the one GPU) in the
-     background, beside the screen;
-  6. the screen: every run in its own process session, all sharing the GPU, each with held-out tau every
-     200 steps; the generated store's run starts when generate and its precompute are done;
-  7. online evals (100 held-out prompts x 128 new tokens, fp32, lossless-checked) of every run's last
-     checkpoint and of the long run's at LONG_EVAL_STEPS, reusing the reference, at most EVALS at once.
+project's own commands there, in this order (env switches in brackets):
+  1. the example's target stage (the GGUF joined by c3.sh -> bf16 safetensors);
+  2. [CAPTURE] bench/capture_rate.py on the real target: bare forward, forward + lm_head, Capture;
+  3. `dflash precompute --final-hidden` of the 4K training conversations, alone on the GPU (its shard
+     status.json is the CLI's capture rate); [CAPTURE_EXP] the disk's rate and two more captures
+     (capture_experiments); then `dflash generate` of GEN_PROMPTS first exchanges in the background
+     and the held-out store;
+  4. [REF_FIRST] a one-step run whose online eval writes the target-only reference, alone;
+  5. the screen (RUNS, RUNS_ONLY): every run in its own process session, all sharing the GPU, held-out
+     tau every 100 steps; the regenerated store's run once generate and its precompute are done;
+  6. online evals (100 held-out prompts x 128 new tokens, fp32, lossless-checked, EVAL_WORKERS
+     processes each) of every run's last checkpoint, reusing the reference, at most EVALS at once;
+  7. [SOLO] each shape alone for SOLO_STEPS steps (the step time behind GPU-minutes).
+Session 16 ran it twice: lease 1 with steps 1-3 and 7 first (the solo shapes took 9 minutes, and the
+machine went back before the screen); lease 2 as c3.sh says, without solo shapes, until device time ran
+out during the screen's evals.
 Everything it does is logged with times to /root/ex/study.log.
 """
 
@@ -106,8 +107,11 @@ def solo(names) -> None:
         run(f"solo_{name}", cmd, 240)
 
 
+EVAL_WORKERS = os.environ.get("EVAL_WORKERS", "1")  # eval --workers (new after session 16's leases)
+
+
 def eval_cmd(name: str, ck: Path) -> list[str]:
-    return DF + ["eval", "--run", str(ck), "--prompts", "data/heldout.jsonl", "--max-samples",
+    return DF + ["eval", "--run", str(ck), "--workers", EVAL_WORKERS, "--prompts", "data/heldout.jsonl", "--max-samples",
                  os.environ.get("EVAL_PROMPTS", "100"), "--max-new-tokens", os.environ.get("EVAL_TOKENS", "128"), "--reference", "eval/reference.json", "--no-plots",
                  "--out", f"eval/{name}@{ck.name}.json"]
 
@@ -169,8 +173,12 @@ def drive(code: Path) -> None:
     gen = bg("generate", DF + ["generate", "--gpus", GEN_GPUS, "--batch-size", "64"]) if GEN_PROMPTS else None
     run("precompute_heldout", DF + ["precompute", "--data", "data/heldout.jsonl", "--out", "stores/heldout",
                                      "--final-hidden"], 200)
+    ref_started = False
+    if os.environ.get("REF_FIRST"):  # the target-only reference before the screen, alone on the GPU
+        run("train_ref", train_cmd("ref", "train", 1, R8), 300)
+        ref_started = bool(checkpoints("ref")) and run("eval_ref", eval_cmd("ref", checkpoints("ref")[-1]), 900) == 0
     procs = {name: bg(f"train_{name}", train_cmd(name, *spec)) for name, spec in RUNS.items()}
-    pending_gen, queue, queued, evals, ref_started = gen is not None, [], set(), {}, False
+    pending_gen, queue, queued, evals = gen is not None, [], set(), {}
     while True:
         if pending_gen and gen.poll() is not None:
             pending_gen = False
