@@ -3,7 +3,7 @@
 Decoding one prompt at a time is bound by kernel launches and the host, not by the device: a small
 target leaves a GPU mostly idle, so several processes can share it (or the CPU's cores).  Each worker
 loads the checkpoint's drafter and the target itself, decodes its slice with the same code as one
-process (`run.decode_prompts`), and writes its records as JSON; the parent merges them in prompt order,
+process (`online.decode_prompts`), and writes its records as JSON; the parent merges them in prompt order,
 so tau, the outputs and the lossless check are those of one process.  Timings are taken while the
 workers share the device, so the speed-up they give is indicative only.
 
@@ -39,7 +39,7 @@ def slices(n: int, workers: int) -> list[tuple[int, int]]:
 
 
 def run_workers(job: dict, prompts: list[list[int]], refs: list | None, workers: int, progress: bool = True) -> list[dict]:
-    """Every prompt's record (run.decode_prompts), decoded by `workers` processes.  `job`: checkpoint,
+    """Every prompt's record (online.decode_prompts), decoded by `workers` processes.  `job`: checkpoint,
     target, device, dtype, max_new_tokens, confidence_threshold and seed, as JSON values."""
     parts = slices(len(prompts), workers)
     with tempfile.TemporaryDirectory(prefix="dflash-eval-workers-") as tmp:
@@ -103,7 +103,7 @@ def main(job_path: str) -> None:
     import torch
 
     from dflash.evaluate.export import load_training_drafter
-    from dflash.evaluate.run import decode_prompts, eos_token_ids
+    from dflash.evaluate.online import decode_prompts, eos_token_ids
     from dflash.evaluate.speculative import Generation
     from dflash.target_model.capture import load_target, load_tokenizer
 
