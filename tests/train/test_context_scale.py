@@ -176,3 +176,43 @@ def test_a_run_trains_resumes_exports_and_refuses_a_change(tiny_store, tmp_path)
     assert "context_scale" not in load_file(str(plain / "checkpoints" / "step-00000002" / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"trained with --context-scale none and this run asks for --context-scale rms"):
         launch_train(_train_cfg(target, store, plain, steps=4, resume=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_set_the_scale_on_every_rank(tiny_store, tmp_path, parallel):
+    """cpu:2 (DDP or FSDP2 over gloo) x 1 micro-batch = cpu:1 x 2 micro-batches, step for step: a rank left at
+    ones would compute other losses and gradients."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from dflash.config import to_dict
+    from dflash.train.launch import launch_train
+
+    target, _, store = tiny_store
+    two = _train_cfg(target, store, tmp_path / "two", gpus="cpu:2", steps=3, save_every=3, parallel=parallel)
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "params.yaml").write_text(yaml.safe_dump({"train": to_dict(two)}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                                           os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", "params.yaml"], env=env,
+                       cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = _train_cfg(target, store, tmp_path / "one", steps=3, save_every=3, grad_accum=2)
+    launch_train(one)
+
+    def losses(run):
+        return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses(tmp_path / "two")) == 3
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "model.safetensors"))
+    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step-00000003" / "model.safetensors"))
+    assert torch.equal(w2["context_scale"], w1["context_scale"]) and not torch.equal(
+        w1["context_scale"], torch.ones_like(w1["context_scale"]))
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4), k
