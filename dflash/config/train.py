@@ -21,6 +21,7 @@ LossKernel = Literal["triton", "compiled"]
 Loss = Literal["ce", "dpace"]
 TvSource = Literal["final_hidden", "topk"]
 Parallel = Literal["ddp", "fsdp"]
+ContextScale = Literal["none", "rms"]
 
 
 @dataclass
@@ -62,6 +63,12 @@ class Drafter(Options):
                                     "unit norms (as z-lab's DFlash); target = copies of the target's last --num-layers "
                                     "layers (attention, q/k norms, MLP, layer norms; fc and the drafter's own norms stay "
                                     "random), on a fresh run only (docs/DESIGN.md §2).")
+    context_scale: ContextScale = opt("none", "Preconditioning of fc's input channels (the concatenated target "
+                                      "layers): none = as z-lab's DFlash; rms = each channel divided by its RMS "
+                                      "over the store's first ~64K tokens (a power of two, fixed at the start of a "
+                                      "fresh run, kept in the checkpoints), so that a few massive-activation "
+                                      "channels do not dominate fc's updates.  Export folds it into fc.weight: "
+                                      "the exported drafter is a plain DFlash drafter (docs/DESIGN.md §2).")
 
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.block_size >= 2, "--block-size must be at least 2."),

@@ -36,9 +36,11 @@ def arch_of(cfg: DrafterConfig) -> str:
     return variant_of(cfg).arch
 
 
-def build_drafter(cfg: DrafterConfig, flex_kernel_options: dict | None = None) -> DFlashDrafter:
-    """The drafter of `cfg`'s variant (DFlashDrafter, DFlash2Drafter or DSparkDrafter), freshly initialised."""
-    return variant_of(cfg)(cfg, flex_kernel_options)
+def build_drafter(cfg: DrafterConfig, flex_kernel_options: dict | None = None,
+                  context_scale: bool = False) -> DFlashDrafter:
+    """The drafter of `cfg`'s variant (DFlashDrafter, DFlash2Drafter or DSparkDrafter), freshly initialised;
+    `context_scale`: with the context_scale buffer of `--context-scale rms` (all ones until it is set)."""
+    return variant_of(cfg)(cfg, flex_kernel_options, context_scale)
 
 
 def config_from_hf_dict(d: dict) -> DrafterConfig:

@@ -25,6 +25,8 @@ from torch import nn
 from dflash.drafter import attention
 from dflash.drafter.config import INIT_STD, SLIDING_ATTENTION, DrafterConfig
 
+CONTEXT_SCALE = "context_scale"  # --context-scale rms: the buffer's name in a checkpoint (never in an export)
+
 
 class RMSNorm(nn.Module):
     """Qwen3's RMSNorm (fp32 statistics); returns the input dtype so attention inputs agree in dtype."""
@@ -213,11 +215,17 @@ class DFlashDrafter(nn.Module):
     # Whether it has DSpark's Markov and confidence heads, trained by dflash.train.dspark_loss.
     dspark_heads = False
 
-    def __init__(self, cfg: DrafterConfig, flex_kernel_options: dict | None = None):
+    def __init__(self, cfg: DrafterConfig, flex_kernel_options: dict | None = None, context_scale: bool = False):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_features * H, H, bias=False)
+        # --context-scale rms: a fixed per-input-channel factor of fc (a persistent buffer, ones until the
+        # trainer sets it; fold_context_scale folds it into fc.weight for export).  Off: no buffer, no op.
+        if context_scale:
+            self.register_buffer(CONTEXT_SCALE, torch.ones(cfg.num_features * H))
+        else:
+            self.context_scale = None
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(self.layer_cls(cfg, flex_kernel_options) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -240,7 +248,11 @@ class DFlashDrafter(nn.Module):
         # Under autocast the bf16 features go straight into fc; otherwise match the weights' dtype.
         if not torch.is_autocast_enabled(ctx_hidden.device.type):
             ctx_hidden = ctx_hidden.to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(ctx_hidden))
+        if self.context_scale is None:
+            return self.hidden_norm(self.fc(ctx_hidden))
+        # fc(ctx_hidden * scale), computed on the weight ([H, L*H], smaller than the features): the same
+        # product, and with the trainer's power-of-two scales the same bits in any dtype.
+        return self.hidden_norm(F.linear(ctx_hidden, self.fc.weight * self.context_scale))
 
     def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
         """ctx_hidden [R,S,L*H], block_embeds [R,Q,H], positions [R,S] / [R,Q], mask: BlockMask or
@@ -302,6 +314,18 @@ class DFlashDrafter(nn.Module):
     def export_keys(cls, cfg: DrafterConfig) -> list[str]:
         """The exported tensor names of this variant's drafter."""
         return state_dict_keys(cfg.num_hidden_layers, cfg.attention_bias)
+
+
+def fold_context_scale(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` without the context_scale buffer, fc.weight multiplied by it column by column: the plain
+    DFlash drafter that computes the same function (fc(x * s) = x @ (W * s[None, :]).T)."""
+    if CONTEXT_SCALE not in state:
+        return state
+    state = dict(state)
+    scale = state.pop(CONTEXT_SCALE)
+    w = state["fc.weight"]
+    state["fc.weight"] = (w.float() * scale.float().to(w.device)[None, :]).to(w.dtype)
+    return state
 
 
 def drafter_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

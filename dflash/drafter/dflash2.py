@@ -188,10 +188,10 @@ class DFlash2Drafter(DFlashDrafter):
     knobs = REQUIRED
     selects_candidates = True
 
-    def __init__(self, cfg: DFlash2Config, flex_kernel_options: dict | None = None):
+    def __init__(self, cfg: DFlash2Config, flex_kernel_options: dict | None = None, context_scale: bool = False):
         if not isinstance(cfg, DFlash2Config):
             raise TypeError("DFlash2Drafter needs a DFlash2Config")
-        super().__init__(cfg, flex_kernel_options)
+        super().__init__(cfg, flex_kernel_options, context_scale)
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
 

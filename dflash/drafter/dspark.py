@@ -125,10 +125,10 @@ class DSparkDrafter(DFlashDrafter):
     knobs = KNOBS
     dspark_heads = True
 
-    def __init__(self, cfg: DSparkConfig, flex_kernel_options: dict | None = None):
+    def __init__(self, cfg: DSparkConfig, flex_kernel_options: dict | None = None, context_scale: bool = False):
         if not isinstance(cfg, DSparkConfig):
             raise TypeError("DSparkDrafter needs a DSparkConfig")
-        super().__init__(cfg, flex_kernel_options)
+        super().__init__(cfg, flex_kernel_options, context_scale)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         self.confidence_head = (ConfidenceHead(cfg.confidence_width, cfg.confidence_head_with_markov)
                                 if cfg.enable_confidence_head else None)

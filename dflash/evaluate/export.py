@@ -3,6 +3,7 @@
     OUT/config.json         Qwen3 fields + architectures ["DFlashDraftModel"], block_size, num_target_layers,
                             dflash_config {mask_token_id, target_layer_ids}   (DrafterConfig.to_hf_dict)
     OUT/model.safetensors   the drafter only: layers.N.*, fc.weight, hidden_norm.weight, norm.weight
+                            (a --context-scale rms checkpoint's buffer folded into fc.weight, not written)
 
 The target's embedding and lm_head are not part of the drafter: the serving engine shares the target's.
 The directory is assembled next to OUT and renamed into place, so OUT is either the old export, the new
@@ -40,11 +41,15 @@ def _strip(key: str) -> str:
     return key.replace("._orig_mod.", ".")
 
 
-def drafter_state(state: dict[str, torch.Tensor], cfg, where) -> dict[str, torch.Tensor]:
-    """Exactly the exported key set (model.state_dict_keys), or a DFlashError naming what is off."""
+def drafter_state(state: dict[str, torch.Tensor], cfg, where, fold: bool = True) -> dict[str, torch.Tensor]:
+    """Exactly the exported key set (model.state_dict_keys), or a DFlashError naming what is off.  A
+    --context-scale rms state has its context_scale buffer folded into fc.weight (`fold`; else dropped):
+    the plain DFlash drafter computing the same function."""
     from dflash.drafter import export_keys
+    from dflash.drafter.dflash import CONTEXT_SCALE, fold_context_scale
 
     state = {_strip(k): v for k, v in state.items()}
+    state = fold_context_scale(state) if fold else {k: v for k, v in state.items() if k != CONTEXT_SCALE}
     want = export_keys(cfg)  # DFlash2: also the convolutions and the candidate selector
     missing = [k for k in want if k not in state]
     if missing:
@@ -60,6 +65,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     from safetensors.torch import load_file
 
     from dflash.drafter import build_drafter, config_from_hf_dict
+    from dflash.drafter.dflash import CONTEXT_SCALE
     from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)
@@ -78,8 +84,16 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, KeyError, TypeError, SafetensorError
         raise DFlashError(f"checkpoint {ckpt} cannot be read ({type(e).__name__}: {e}); it is incomplete or not "
                           "a dflash checkpoint.") from None
-    drafter = build_drafter(cfg)
-    drafter.load_state_dict(drafter_state(state, cfg, ckpt), strict=False)  # rotary buffer is not saved
+    # A --context-scale rms checkpoint: the drafter keeps its buffer (eval applies it, export folds it).
+    state = {_strip(k): v for k, v in state.items()}
+    scaled = CONTEXT_SCALE in state
+    drafter = build_drafter(cfg, context_scale=scaled)
+    weights = drafter_state(state, cfg, ckpt, fold=False)
+    if scaled:
+        weights[CONTEXT_SCALE] = state[CONTEXT_SCALE]
+    missing, unexpected = drafter.load_state_dict(weights, strict=False)  # the rotary buffer is not saved
+    if [k for k in missing if not k.startswith("rotary_emb.")] or unexpected:
+        raise DFlashError(f"checkpoint {ckpt} does not load as its drafter (missing {missing}, unexpected {unexpected}).")
     train_config = {}
     if (ckpt / "train_config.json").is_file():
         train_config = json.loads((ckpt / "train_config.json").read_text())
@@ -218,7 +232,8 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     """Logits of the reloaded export vs `reference` (the training model with weights rounded to `dtype`,
     so only naming, layout and config can differ: the match must be exact up to fp32 noise)."""
     exported = load_export(out_dir, torch.float32)
-    ref = type(reference)(reference.config)
+    # The reference keeps a --context-scale buffer, the export has it folded into fc: this compares the fold too.
+    ref = type(reference)(reference.config, context_scale=reference.context_scale is not None)
     ref.load_state_dict({k: v.to(dtype).float() for k, v in reference.state_dict().items()}, strict=False)
     ref.eval()
     cfg = reference.config

@@ -26,8 +26,9 @@ def wrap(raw: torch.nn.Module, parallel: str, device: torch.device, world: int):
 
     # 256 MB buckets: a few per layer, so the all-reduce overlaps the backward in ~20 pieces
     # (DDP's 25 MB default would cut the compiled backward into one graph per weight matrix).
-    # broadcast_buffers=False: the only buffer is RoPE's inv_freq, a function of the config; DDP's
-    # default would broadcast it from rank 0 at every forward (a collective in front of each step).
+    # broadcast_buffers=False: the buffers are RoPE's inv_freq, a function of the config, and with
+    # --context-scale rms the context scale, the same on every rank (preflight's or the checkpoint's);
+    # DDP's default would broadcast them from rank 0 at every forward (a collective in front of each step).
     return DDP(raw, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=256,
                gradient_as_bucket_view=True, broadcast_buffers=False)
 

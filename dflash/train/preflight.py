@@ -308,6 +308,11 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         from dflash.train import drafter_init
 
         init = drafter_init.plan(cfg.job.target, dcfg, tcfg)
+    scale = None
+    if cfg.drafter.context_scale == "rms" and _fresh(cfg):  # a resumed run keeps its checkpoint's
+        from dflash.train import context_scale
+
+        scale = context_scale.compute(store)
     spec = LoaderSpec(
         block_size=cfg.drafter.block_size,
         num_anchors=cfg.data.num_anchors,
@@ -325,7 +330,15 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )
     return ResolvedRun(dataclasses.replace(cfg, drafter=dataclasses.replace(cfg.drafter, mask_token_id=mask_id)), dcfg, spec, mask_id, source, types_source,
-                       store.hidden_size * store.num_layers, _store_record(cfg, store), init)
+                       store.hidden_size * store.num_layers, _store_record(cfg, store), init, scale)
+
+
+def _fresh(cfg: TrainConfig) -> bool:
+    """Whether the run starts from scratch (no --resume, or nothing to resume yet); with checkpoints to
+    resume, the trainer loads the newest readable one or refuses."""
+    from dflash.train.checkpoint import list_checkpoints
+
+    return not (cfg.checkpoint.resume and list_checkpoints(cfg.job.out))
 
 
 def resolved_by_rank0(cfg: TrainConfig, rank: int, world: int) -> ResolvedRun:

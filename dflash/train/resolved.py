@@ -34,6 +34,9 @@ class ResolvedRun:
     store_record: dict  # the store part of RUN/config.json
     # --drafter-init target: {"copies": {drafter name: (file, target name)}, "record": ...} (train/drafter_init.py)
     drafter_init: dict | None = None
+    # --context-scale rms on a fresh run: {"scale": float32 [L*H], "record": ...} (train/context_scale.py);
+    # None otherwise (a resumed run takes its checkpoint's buffer).
+    context_scale: dict | None = None
 
     def embed_and_head(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's frozen embedding and lm_head on `device` (bf16 on GPU, fp32 on CPU)."""
@@ -70,6 +73,9 @@ class ResolvedRun:
             "mask_token": {"id": self.mask_token_id, "source": self.mask_token_source},
             "layer_types_source": self.layer_types_source,
             "drafter_init": self.drafter_init["record"] if self.drafter_init else {"mode": "random"},
+            "context_scale": (self.context_scale["record"] if self.context_scale else
+                              {"mode": self.cfg.drafter.context_scale} if self.cfg.drafter.context_scale == "none" else
+                              {"mode": self.cfg.drafter.context_scale, "source": "the checkpoint's buffer (resumed)"}),
             "world_size": world,
             "store": dict(self.store_record),
         }

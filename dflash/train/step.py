@@ -103,7 +103,9 @@ def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: i
     from dflash.drafter import build_drafter
 
     torch.manual_seed(cfg.job.seed)  # same init on every rank (DDP would broadcast it anyway)
-    raw = build_drafter(drafter_config, flex_kernel_options).to(device)  # DFlashDrafter or DFlash2Drafter
+    # --context-scale rms: the buffer starts at ones; the trainer sets it (a fresh run) or loads it (resume).
+    raw = build_drafter(drafter_config, flex_kernel_options,
+                        context_scale=cfg.drafter.context_scale == "rms").to(device)  # any variant
     ddp = parallel.wrap(raw, cfg.systems.parallel, device, world)
     if compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair

@@ -27,6 +27,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.hostgc import StepGC
 from dflash.train import checkpoint as ckpt
+from dflash.train import context_scale
 from dflash.train import loader as L
 from dflash.train.batch_slots import BatchSlots, default_num_slots
 from dflash.train.epochs import EpochSource
@@ -115,6 +116,8 @@ class Trainer:
         found = ckpt.load_latest(Path(self.cfg.job.out)) if self.cfg.checkpoint.resume else None  # skips unreadable ones
         init = self.run.drafter_init
         if found is None:
+            if self.cfg.drafter.context_scale == "rms":
+                self._set_context_scale()
             if init:
                 from dflash.train import drafter_init
 
@@ -126,6 +129,9 @@ class Trainer:
         changed = ckpt.arch_change(latest, drafter_cfg, self.run.drafter_config.to_hf_dict())
         if changed:
             raise ConfigError(changed)
+        changed = context_scale.change(latest, model_state, self.cfg.drafter.context_scale)
+        if changed:
+            raise ConfigError(changed)
         if drafter_cfg != self.run.drafter_config.to_hf_dict():
             raise ConfigError(
                 f"checkpoint {latest} was trained with a different drafter (block size, layers, layer types, "
@@ -133,6 +139,19 @@ class Trainer:
                 "new --out directory."
             )
         self.load_state_dict({"model": model_state, **train_state})
+
+    def _set_context_scale(self) -> None:
+        """A fresh --context-scale rms run: the factors preflight measured (measured here, the same way on
+        every rank, if preflight expected a checkpoint that is gone)."""
+        from dflash.drafter.dflash import CONTEXT_SCALE
+
+        found = self.run.context_scale
+        if found is None:
+            from dflash.store import open_store
+
+            found = context_scale.compute(open_store(self.cfg.job.store))
+            self.run = dataclasses.replace(self.run, context_scale=found)
+        self.step_fn.load_weights({CONTEXT_SCALE: found["scale"]})
 
     def save(self) -> None:
         """One checkpoint (all ranks gather state, rank 0 writes), then everyone waits for the write."""
