@@ -55,11 +55,14 @@ RUNS = {
     "r8_a256": ("train", SCREEN_STEPS, R8 + ["--num-anchors", "256"]),
     "r8_dspark": ("train", SCREEN_STEPS, R8 + ["--arch", "dspark"]),
     "r8_d2": ("train", SCREEN_STEPS, R8 + ["--arch", "dflash2"]),
+    # for the next session (--context-scale landed after both leases): RUNS_ONLY picks them
+    "r8_cs": ("train", SCREEN_STEPS, R8 + ["--context-scale", "rms"]),
+    "r8_d2_cs": ("train", SCREEN_STEPS, R8 + ["--arch", "dflash2", "--context-scale", "rms"]),
 }
 LONG = {"long": ("train", LONG_STEPS, R8 + ["--lr", "2e-3", "--keep-checkpoints", "30"])}
 GEN_RUNS = {"gen_r8": ("generated", SCREEN_STEPS, R8)}
-if os.environ.get("RUNS_ONLY"):
-    RUNS = {n: RUNS[n] for n in os.environ["RUNS_ONLY"].split(",")}
+RUNS_ONLY = os.environ.get("RUNS_ONLY", "r8,r8_lr2e-3,r8_init,r8_tl,r8_kd,r8_b8,r8_a256,r8_dspark,r8_d2")
+RUNS = {n: (LONG | RUNS)[n] for n in RUNS_ONLY.split(",")}
 GEN_PROMPTS = int(os.environ.get("GEN_PROMPTS", 2000))  # first exchanges regenerated; 0 = no generate
 LONG_EVAL_STEPS = (400, 800, 1600)  # besides every run's last checkpoint
 SOLO = {"r8": R8, "r8_b8": R8 + ["--block-size", "8"], "r8_a256": R8 + ["--num-anchors", "256"],
