@@ -149,6 +149,28 @@ class Committed:
 
 
 def load_committed(shard_dir: Path, array_names) -> Committed:
+    """The shard's committed state.  A writer at work commits segment n+1 and then removes the tail that
+    segment n named, so a reader that listed the segments just before finds that tail gone: it lists
+    them again (the newer segment, or the final index, is there by then); a tail missing while the
+    shard stays where it was is damage."""
+    for _ in range(100):
+        try:
+            c = _load_committed_once(shard_dir, array_names)
+        except FileNotFoundError:  # finalize() removed the segments after writing the final index
+            continue
+        if c.tail is None or c.tail.is_file():
+            return c
+        try:
+            again = _load_committed_once(shard_dir, array_names)
+        except FileNotFoundError:
+            continue
+        if (again.complete, again.num_segments) == (c.complete, c.num_segments):
+            raise StoreError(f"{c.tail} is missing; shard {shard_dir} is damaged. Delete it and rerun precompute.")
+    raise StoreError(f"{shard_dir}: its committed state kept changing while it was read; is a writer committing "
+                     "hundreds of times a second?")
+
+
+def _load_committed_once(shard_dir: Path, array_names) -> Committed:
     schema = index_schema(array_names)
     final = shard_dir / INDEX
     if final.is_file():
@@ -164,12 +186,12 @@ def load_committed(shard_dir: Path, array_names) -> Committed:
             f"{seg_dir}: index segment(s) {missing} are missing; the shard is damaged. Delete {shard_dir} "
             "and rerun precompute to rewrite this shard."
         )
-    tables = [read_ipc(seg_path(shard_dir, n)) for n in nums]
+    tables = [read_ipc(seg_path(shard_dir, n), missing_ok=True) for n in nums]
+    if any(t is None for t in tables):  # listed, then removed by finalize(): the caller looks again
+        raise FileNotFoundError(seg_dir)
     end, zarr_end = _meta(tables[-1], "end"), _meta(tables[-1], "zarr_end")
     index = pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
     tail = tail_path(shard_dir, end) if end > zarr_end else None
-    if tail is not None and not tail.is_file():
-        raise StoreError(f"{tail} is missing; shard {shard_dir} is damaged. Delete it and rerun precompute.")
     return Committed(index, end, zarr_end, tail, False, len(nums))
 
 

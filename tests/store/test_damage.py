@@ -378,3 +378,49 @@ def test_a_store_of_another_format_is_refused_in_one_message(store, tiny_store):
     res = CliRunner().invoke(main, ["precompute", "--target", str(target), "--data", str(data), "--out", str(store),
                                     "--gpus", "cpu", "--target-layers", "1,2", "--topk", "4"])
     assert res.exit_code != 0 and "recapture it" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_a_reader_between_a_commit_and_its_tail_removal_looks_again(tmp_path, monkeypatch):
+    """The writer commits segment n+1, then removes the tail segment n named: a reader that listed the
+    segments just before finds that tail gone.  That is a moving shard, not damage: it must list them
+    again and get the newer state.  A tail missing while the shard stays put is still damage."""
+    import numpy as np
+    import pytest
+
+    from dflash.errors import StoreError
+    from dflash.store import ShardWriter, layout
+
+    rng = np.random.default_rng(0)
+    w = ShardWriter(tmp_path, 0, hidden_width=64, num_layers=2, topk=4, chunk_tokens=16, chunks_per_object=4,
+                    commit_every_tokens=10**9)
+    names = tuple(w.specs)
+
+    def add(i):
+        t = 7
+        w.append_encoded(i, i, rng.integers(0, 1000, t), np.ones(t, np.uint8),
+                         {"hidden": rng.integers(0, 2**16, (t, 64)).astype(np.uint16),
+                          "topk_ids": rng.integers(0, 1000, (t, 4)).astype(np.int32),
+                          "topk_logprobs": -rng.random((t, 4)).astype(np.float32)})
+
+    add(0)
+    w.commit()
+    shard = w.dir
+    stale = layout.load_committed(shard, names)
+    assert stale.tail is not None and stale.tail.is_file()
+    add(1)
+    w.commit()  # a new tail; the one `stale` names is removed
+    assert not stale.tail.is_file()
+    real = layout._load_committed_once
+    calls = []
+
+    def first_stale(d, a):
+        calls.append(d)
+        return stale if len(calls) == 1 else real(d, a)
+
+    monkeypatch.setattr(layout, "_load_committed_once", first_stale)
+    got = layout.load_committed(shard, names)
+    assert got.num_segments == 2 and got.end > stale.end and got.tail.is_file() and len(calls) >= 2
+    monkeypatch.setattr(layout, "_load_committed_once", real)
+    got.tail.unlink()  # now the shard does not move on: damage
+    with pytest.raises(StoreError, match="is missing; shard .* is damaged"):
+        layout.load_committed(shard, names)
