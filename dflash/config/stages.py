@@ -76,7 +76,7 @@ class PrecomputeConfig(Options):
                              "needs it. Adds 2*H bytes per token in bf16, H+4 in fp8.")
     token_budget: int = opt(16384, "Tokens per target forward batch (padded length x rows).")
     lm_head_chunk: int = opt(4096, "Positions per lm_head chunk when computing the top-k.")
-    commit_every_tokens: int = opt(32768, "A shard commits (becomes durable and resumable) every N tokens.")
+    commit_every_tokens: int = opt(262144, "A shard commits (becomes durable and resumable) every N tokens.")
     store_chunk_tokens: int | None = opt(None, "Zarr inner chunk in tokens; default ~4 MB of hidden states.")
     split: str = opt("train", "Split to read from a saved DatasetDict.")
     max_samples: int | None = opt(None, "Read only the first N rows (smoke tests).")

@@ -200,6 +200,15 @@ class Capture:
             # dynamic: the last chunk of a batch is shorter, and must not recompile
             self._topk = torch.compile(topk_logprobs, dynamic=True)
 
+    def warm_up(self, token_id: int = 0, length: int = 64) -> None:
+        """One small forward (and top-k) before the first real batch: the top-k compiles and the device's
+        libraries initialise here, while a shard's render workers and writer process still start."""
+        device = next(self.model.parameters()).device
+        ids = torch.full((1, length), int(token_id), dtype=torch.long, device=device)
+        self(ids, torch.tensor([length - 1]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """input_ids [B, T] -> hidden [B, T, L*H]; with top-k also topk_ids [B, T, K] int64 and
