@@ -110,7 +110,7 @@ class ShardWriter:
         hidden_dtype: str = "bf16",
         topk: int = 0,
         final_hidden: bool = False,  # store the target's last hidden state [T, H] too (layout.array_specs)
-        commit_every_tokens: int = 262144,  # a commit fsyncs; a small target captures ~500K tokens/s
+        commit_every_tokens: int = 262144,  # docs/DESIGN.md "Commit interval and start-up"
         chunk_tokens: int | None = None,  # inner chunk (default: ~4 MB of hidden states)
         chunks_per_object: int = 16,  # inner chunks per Zarr shard object (file)
         hidden_compressor: str | None = None,  # None | "zstd"
