@@ -155,7 +155,7 @@ class TrainStep:
         self.embed, self.head = embed, head
         self.final_norm = final_norm  # the target's final norm weight: DSpark's target distribution (§12)
         self.compiled = compiled(cfg, device)
-        self.loss_kernel = chunk_kernel(cfg.objective.loss_kernel, cfg.objective.kd_weight > 0, device, self.compiled)
+        _ = self.loss_kernel  # an unknown --loss-kernel fails here, at build, not at the first step
         self.fsdp = world > 1 and cfg.systems.parallel == "fsdp"
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
                          if device.type == "cuda" and cfg.systems.precision in ("auto", "bf16") else nullcontext())
@@ -267,6 +267,14 @@ class TrainStep:
                                  tv_source=cfg.dspark.tv_source, final_hidden=m.final_hidden, norm_weight=self.final_norm,
                                  eps=self.raw.config.rms_norm_eps, topk_ids=m.topk_ids,
                                  topk_logprobs=m.topk_logprobs, chunk=cfg.objective.lm_head_chunk, label_index=m.label_index)
+
+    @property
+    def loss_kernel(self) -> str:
+        """The per-chunk loss kernel (loss.KERNELS) of the config as it is now, read at every step as before
+        the house: a caller that changes cfg.objective.loss_kernel or kd_weight after building the step (the
+        step bench's loss=triton variants do) gets the kernel it asked for, not the one the build saw."""
+        o = self.cfg.objective
+        return chunk_kernel(o.loss_kernel, o.kd_weight > 0, self.device, self.compiled)
 
     def state_dict(self) -> tuple[dict, dict]:
         """Full (unsharded) model and optimizer state keyed by parameter names, the same for DDP, FSDP2 and
