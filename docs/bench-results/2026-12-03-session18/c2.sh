@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Session 18, call 2 (carry .pieces/p2): the GGUF's second piece to /root/pieces.
+# Session 18, call 2 (carry .pieces/p2, .whl): the GGUF's second piece to /root/pieces, the wheels to /root/site.
 set -u
-[ -d /root/site ] || { echo "machine went cold: /root/site is gone"; exit 3; }
+[ -d /root/pieces ] || { echo "machine went cold: /root/pieces is gone"; exit 3; }
 mkdir -p /root/pieces && cp .pieces/p2/* /root/pieces/ || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/*.whl || exit 1
+PYTHONPATH=/root/site:$PWD python3 -c "
+import torch, transformers, zarr, gguf, datasets, dflash.cli
+print(torch.__version__, transformers.__version__, zarr.__version__, torch.cuda.get_device_name())"
 ls -la /root/pieces; tail -3 /root/b33/bench33.out 2>/dev/null
