@@ -18,7 +18,7 @@ Rates count real (unpadded) tokens.  With --cli, the command itself runs too, on
 precompute` (a subprocess, one shard on this device, the same rows, layers, top-k, max length and budget)
 into a temporary store; `cli_tok_per_s` is the shard's new tokens over its `loop_s` (rendering + capture +
 writes, start-up excluded, from status.json), and the result keeps the shard's `writer_s` (the writer's
-seconds per stage), `writer_cpu_s`, `write_stall_s` (the capture waiting for the writer), `write_slots` and
+seconds per stage), `writer_cpu_s`, `write_stall_s` (the capture waiting for the writer) and
 `render_workers`.  Ratios: capture and cli over the decoder forward and over the forward with its lm_head.
 """
 
@@ -135,8 +135,7 @@ def run_cli(a, budget: int, layer_ids: list[int], device) -> dict:
         st = json.loads((tmp / "store" / "shard-00000" / "status.json").read_text())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "write_slots", "writer_s",
-            "writer_cpu_s")
+    keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "writer_s", "writer_cpu_s")
     return {"cli_tok_per_s": round(st["new_tokens"] / max(st["loop_s"], 1e-9)), "cli_wall_s": round(wall, 2),
             **{f"cli_{k}": st.get(k) for k in keep}}
 

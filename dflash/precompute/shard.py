@@ -11,8 +11,7 @@ appends only what was not committed, giving the store an uninterrupted run gives
 Writes do not stall the GPU: the main thread captures batch i+1 while the store's writer appends and
 commits batch i, in a process of its own (`ProcessWritePipeline`, the default: it takes no GIL from the
 capture) or on a thread (`WritePipeline`); dflash/store/ says why both are safe.  Results are copied out
-through a few reusable pinned host buffers ("write slots", as many as `write_slot_count` gives for their
-size), so host memory stays bounded.
+through a few reusable pinned host buffers, so host memory stays bounded.
 """
 
 from __future__ import annotations
@@ -34,12 +33,10 @@ from dflash.store import ShardWriter, shard_name
 from dflash.store.manifest import shard_status
 from dflash.store.parts import Part, part_rows
 from dflash.store.pipeline import WritePipeline
-from dflash.store.writer_process import ProcessWritePipeline, slot_row_bytes
+from dflash.store.writer_process import ProcessWritePipeline
 from dflash.target_model.capture import Capture, linear_attention_note, load_target, load_tokenizer, resolve_dtype
 
 WINDOW = 2048  # rows sorted by length together: long enough to batch well, short enough to start fast
-WRITE_SLOT_HOST_BYTES = 2 * 2**30  # pinned host memory the write slots may take (beyond MIN_WRITE_SLOTS)
-MIN_WRITE_SLOTS, MAX_WRITE_SLOTS = 3, 8
 
 
 @dataclass
@@ -52,7 +49,7 @@ class ShardJob:
     threads: int = 0  # CPU threads for this process (0 = leave torch's default)
     parent_pid: int | None = None  # spawned shards exit when their launcher is gone
     writer: str | None = None  # process | thread (None: cfg.writer)
-    write_slots: int | None = None  # host buffers between the GPU and the writer (None: write_slot_count)
+    write_slots: int = 3  # host buffers between the GPU and the writer (batches in flight)
     part: Part | None = None  # the part this shard belongs to (None: the whole dataset, as part 0)
 
     def rows(self, num_rows: int) -> tuple[list[int], int]:
@@ -170,7 +167,6 @@ def run_shard(job: ShardJob) -> dict:
             stats["gc_s"] = round(gct.total_s, 3)
             stats["device"] = str(device)
             stats["write_stall_s"] = round(getattr(sink, "stall_s", 0.0), 3)  # the capture waiting for a write slot
-            stats["write_slots"] = getattr(sink, "slots", None)
             sink.finalize(stats)
         return shard_status(cfg.out, shard)
     finally:
@@ -196,42 +192,10 @@ def _exit_if_orphaned(job: ShardJob) -> None:
         os._exit(1)
 
 
-def write_slot_count(slot_bytes: int, budget_bytes: int = WRITE_SLOT_HOST_BYTES) -> int:
-    """How many write slots of `slot_bytes` each a shard uses: as many as fit `budget_bytes`, at least
-    MIN_WRITE_SLOTS and at most MAX_WRITE_SLOTS.
-
-    The writer hands no slot back while it commits (it waits for the commit's object writes and fsyncs),
-    so the capture runs on the slots it holds until the commit ends.  A small target fills a slot in a
-    fraction of that wait and would stall on every commit with the minimum; more slots absorb the burst.
-    Where a slot takes longer to fill than a commit takes (a large target), the minimum suffices: three keep
-    the capture, the copy out and the writer each on a batch of its own.  The budget bounds the page-locked
-    host memory (RAM the OS cannot swap or reclaim) of one shard process; only the minimum may exceed it.
-    Past MAX_WRITE_SLOTS, more slots only delay a writer that is slower than the capture on average.
-    """
-    if slot_bytes < 1:
-        raise ValueError(f"a write slot needs a positive size, not {slot_bytes} bytes")
-    return max(MIN_WRITE_SLOTS, min(MAX_WRITE_SLOTS, int(budget_bytes) // int(slot_bytes)))
-
-
-def write_slot_bytes(writer_args: dict, capacity_tokens: int, mode: str, device) -> int:
-    """The host bytes one write slot of `open_sink` takes: `capacity_tokens` of every array the capture
-    copies out (the writer thread's pinned buffers are rounded up to powers of two by torch's host
-    allocator, the writer process's are exact)."""
-    a = writer_args
-    rows = slot_row_bytes(a.get("hidden_dtype", "bf16"), int(a["hidden_width"]), int(a["num_layers"]),
-                          int(a.get("topk", 0)), bool(a.get("final_hidden")))
-    sizes = [max(1, int(capacity_tokens)) * r for r in rows.values()]
-    if mode == "thread" and torch.device(device).type == "cuda":
-        sizes = [1 << (n - 1).bit_length() for n in sizes]
-    return sum(sizes)
-
-
-def open_sink(writer_args: dict, device, mode: str = "process", slots: int | None = None, capacity_tokens: int = 0):
+def open_sink(writer_args: dict, device, mode: str = "process", slots: int = 3, capacity_tokens: int = 0):
     """What `_write_batch` sends batches to, a context manager with committed_sample_ids() and
     finalize(stats): the ShardWriter(**writer_args) in a process of its own (ProcessWritePipeline), or on
-    a thread of this one (WritePipeline); `slots` write slots (None: `write_slot_count` of their size)."""
-    if slots is None:
-        slots = write_slot_count(write_slot_bytes(writer_args, capacity_tokens, mode, device))
+    a thread of this one (WritePipeline)."""
     if mode == "process":
         return ProcessWritePipeline(writer_args, device, slots=slots, capacity_tokens=capacity_tokens)
     if mode != "thread":

@@ -65,7 +65,7 @@ class _SharedSlot(_Slot):
         return self.bufs[name][:need].view(dtype).view(shape)
 
 
-def slot_row_bytes(hidden_dtype: str, hidden_width: int, num_layers: int, topk: int, final_hidden: bool) -> dict[str, int]:
+def _row_bytes(hidden_dtype: str, hidden_width: int, num_layers: int, topk: int, final_hidden: bool) -> dict[str, int]:
     """Bytes per token that submit() copies into a slot, by array (ids and masks travel as metadata)."""
     specs = layout.array_specs(hidden_dtype, hidden_width, num_layers, topk, final_hidden)
     return {name: dt.itemsize * math.prod(row) for name, (dt, row) in specs.items()
@@ -86,7 +86,7 @@ class ProcessWritePipeline(WritePipeline):
         self.writer = SimpleNamespace(hidden_dtype=a.get("hidden_dtype", "bf16"), num_layers=int(a["num_layers"]),
                                       topk=int(a.get("topk", 0)), final_hidden=bool(a.get("final_hidden")))
         w = self.writer
-        rows = slot_row_bytes(w.hidden_dtype, int(a["hidden_width"]), w.num_layers, w.topk, w.final_hidden)
+        rows = _row_bytes(w.hidden_dtype, int(a["hidden_width"]), w.num_layers, w.topk, w.final_hidden)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._registered: list[int] = []

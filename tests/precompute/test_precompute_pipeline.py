@@ -6,7 +6,6 @@ instrument is a ShardWriter subclass whose appends wait on a gate, to hold the w
 
 from __future__ import annotations
 
-import json
 import resource
 import shutil
 import subprocess
@@ -53,7 +52,7 @@ def _cfg(target, data, out, **kw) -> PrecomputeConfig:
     return PrecomputeConfig(**opts)
 
 
-def _run_shard(cfg: PrecomputeConfig, slots: int | None = 2) -> Path:
+def _run_shard(cfg: PrecomputeConfig, slots: int = 2) -> Path:
     manifest, layer_ids, _ = prepare(cfg, 1)
     create_or_check_manifest(cfg.out, manifest)
     run_shard(ShardJob(cfg, 0, 1, "cpu", layer_ids, write_slots=slots))
@@ -87,67 +86,6 @@ def test_pipelined_precompute_is_byte_identical_to_inline_appends(tmp_path, tiny
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
     assert verify_store(piped).ok
-
-
-def test_write_slot_count_fits_the_budget_between_its_bounds():
-    from dflash.precompute.shard import MAX_WRITE_SLOTS, MIN_WRITE_SLOTS, WRITE_SLOT_HOST_BYTES, write_slot_count
-
-    MiB = 2**20
-    assert (MIN_WRITE_SLOTS, MAX_WRITE_SLOTS) == (3, 8) and WRITE_SLOT_HOST_BYTES == 2 * 2**30
-    assert write_slot_count(288 * MiB) == 7  # a 135M target's slot at a 65,536-token budget
-    assert write_slot_count(500 * 10**6) == 4
-    assert write_slot_count(768 * MiB) == 3  # an 8B target's: the minimum, as before the rule
-    assert write_slot_count(4 * 2**30) == 3  # larger than the whole budget: still the minimum
-    assert write_slot_count(1) == write_slot_count(MiB) == 8  # a tiny target's: the maximum
-    assert write_slot_count(100, budget_bytes=450) == 4 and write_slot_count(100, budget_bytes=299) == 3
-    for size in [1, 1000, 3 * MiB, 100 * MiB, 256 * MiB + 1, 300 * MiB, 683 * MiB, 700 * MiB, 3 * 2**30]:
-        n = write_slot_count(size)
-        assert MIN_WRITE_SLOTS <= n <= MAX_WRITE_SLOTS
-        assert n == MIN_WRITE_SLOTS or n * size <= WRITE_SLOT_HOST_BYTES  # only the minimum may exceed it
-        assert n == MAX_WRITE_SLOTS or (n + 1) * size > WRITE_SLOT_HOST_BYTES  # and it uses what fits
-    with pytest.raises(ValueError):
-        write_slot_count(0)
-
-
-def test_write_slot_bytes_counts_every_array_copied_out():
-    from dflash.precompute.shard import write_slot_bytes
-
-    args = dict(hidden_width=3 * 576, num_layers=3, hidden_dtype="bf16", topk=0, final_hidden=True)
-    assert write_slot_bytes(args, 65536, "process", "cuda") == 65536 * (3 * 576 + 576) * 2
-    # the writer thread's pinned buffers: each rounded up to a power of two
-    assert write_slot_bytes(args, 65536, "thread", "cuda") == 2**28 + 2**27
-    assert write_slot_bytes(args, 65536, "thread", "cpu") == 65536 * (3 * 576 + 576) * 2
-    fp8 = write_slot_bytes({**args, "hidden_dtype": "fp8", "topk": 4}, 1000, "process", "cpu")
-    assert fp8 == 1000 * (3 * 576 + 3 * 4 + 576 + 4 + 4 * (4 + 4))
-
-
-def test_a_shard_sizes_its_write_slots_and_writes_the_inline_store(tmp_path, tiny_target, monkeypatch):
-    from dflash.precompute import shard
-
-    made = []
-
-    class Recorded(ProcessWritePipeline):
-        def __init__(self, writer_args, device, slots=3, capacity_tokens=0):
-            super().__init__(writer_args, device, slots=slots, capacity_tokens=capacity_tokens)
-            made.append((self, writer_args, capacity_tokens))
-
-    data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
-    with monkeypatch.context() as m:
-        m.setattr(shard, "open_sink", lambda writer_args, *_, **__: _InlineSink(**writer_args))
-        inline = _run_shard(_cfg(tiny_target, data, tmp_path / "inline"))
-    monkeypatch.setattr(shard, "ProcessWritePipeline", Recorded)
-    piped = _run_shard(_cfg(tiny_target, data, tmp_path / "piped", writer="process"), slots=None)
-    ((pipe, writer_args, capacity),) = made
-    allocated = sum(t.numel() for t in pipe._slots[0].bufs.values())
-    assert allocated == shard.write_slot_bytes(writer_args, capacity, "process", "cpu")
-    # a tiny target's slots are small: the count is the maximum, not the minimum of three
-    assert pipe.slots == len(pipe._slots) == shard.write_slot_count(allocated) == shard.MAX_WRITE_SLOTS
-    assert 1 <= pipe.in_flight_max <= pipe.slots
-    assert json.loads((piped / "shard-00000" / "status.json").read_text())["write_slots"] == pipe.slots
-    want, got = _files(inline), _files(piped)
-    assert sorted(got) == sorted(want)
-    assert [k for k in want if got[k] != want[k]] == []
-    assert verify_store(piped).ok and len(open_store(piped).sample_ids()) == 14
 
 
 # ---------------------------------------------------------------------------------------------- the pipeline alone
