@@ -147,7 +147,7 @@ def drive() -> None:
                                "--gpus", GEN_GPUS] + GEN_ARGS)
     # beside generate: a 1-step run and the target-only reference of the online eval
     ref = None
-    if run("train_ref", train_cmd("ref", "train", 1, R8, ["--eval-every", "0"]), 300) == 0 and checkpoints("ref"):
+    if not os.environ.get("SKIP_REF") and run("train_ref", train_cmd("ref", "train", 1, R8, ["--eval-every", "0"]), 300) == 0 and checkpoints("ref"):
         ref = bg("eval_ref", eval_cmd("ref", checkpoints("ref")[-1]))
     gen.wait()
     log(f"generate: exit {gen.returncode}")
