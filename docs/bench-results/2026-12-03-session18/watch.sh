@@ -24,4 +24,7 @@ cp $E/eval/*@*.json $d/eval/ 2>/dev/null; cp $E/progress.log $d/ 2>/dev/null
 for f in $E/logs/*.log; do tail -c 4000 $f > $d/logs/$(basename $f); done
 cp /root/b33/*.json /root/b33/*.out /root/b33/*.txt $d/b33/ 2>/dev/null
 tar -C $d -cJf $OUT/detail.tar.xz .; rm -rf $d
+# the target's regenerated replies come back too (xz, ~1.5 MB): the next lease carries them instead of
+# generating them again
+[ -f $E/data/gen_all.jsonl ] && xz -T4 -c $E/data/gen_all.jsonl > $OUT/gen_all.jsonl.xz
 ls -la $OUT
