@@ -116,10 +116,58 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
         plot_eval(result, out.parent)
 
 
+def _offline(cfg: EvalConfig, drafter, target_dir: str, identity, device: torch.device) -> dict:
+    """Offline tau on the held-out store, after checking the store was captured from this target."""
+    from dflash.store import compare_manifest, open_store
+    from dflash.target_model.files import load_embed_and_head, tokenizer_hash
+
+    store = open_store(cfg.store, require_complete=True)
+    compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
+    embed, head = load_embed_and_head(target_dir)
+    drafter.to(device=device, dtype=torch.float32)
+    offline = offline_tau(drafter, embed.float(), head.float(), store, num_anchors=cfg.num_anchors,
+                          seed=cfg.seed, max_samples=cfg.max_samples)
+    offline["store"] = str(cfg.store)
+    return offline
+
+
+def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, device: torch.device,
+            dtype: torch.dtype) -> dict:
+    """Online speculative decoding of the held-out prompts, in this process or --workers processes."""
+    from dflash.target_model.capture import load_target, load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples)
+    reference = None
+    if cfg.reference:
+        from dflash.evaluate.reference import ReferenceFile
+
+        reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
+    threshold = cfg.confidence_threshold or None
+    if cfg.workers < 1:
+        raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
+    if cfg.workers > 1:
+        from dflash.evaluate.workers import run_workers
+
+        refs = reference.load() if reference is not None else None
+        job = {"checkpoint": str(ckpt), "target": target_dir, "device": str(device), "dtype": cfg.dtype,
+               "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
+        records = run_workers(job, prompts, refs, cfg.workers)
+        online = finish_online(records, drafter.config.block_size, threshold, reference, refs is not None)
+    else:
+        target = load_target(target_dir, dtype, device)
+        drafter.to(device=device, dtype=dtype)
+        online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
+                             eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
+                             reference=reference)
+    online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
+    return online
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     """`dflash eval`: offline tau (--store) and/or online speculative decoding (--prompts)."""
     from dflash.evaluate.export import load_training_drafter
-    from dflash.target_model.files import load_embed_and_head, target_identity
+    from dflash.target_model.files import target_identity
 
     if not cfg.run:
         raise ConfigError("give --run RUN (a training run directory or one of its checkpoints).")
@@ -138,45 +186,9 @@ def run_eval(cfg: EvalConfig) -> dict:
     lossless_failure = None
 
     if cfg.store:
-        from dflash.store import compare_manifest, open_store
-        from dflash.target_model.files import tokenizer_hash
-
-        store = open_store(cfg.store, require_complete=True)
-        compare_manifest(store.manifest, identity, tokenizer_hash(target_dir), drafter.config.target_layer_ids)
-        embed, head = load_embed_and_head(target_dir)
-        drafter.to(device=device, dtype=torch.float32)
-        result["offline"] = offline_tau(drafter, embed.float(), head.float(), store, num_anchors=cfg.num_anchors,
-                                        seed=cfg.seed, max_samples=cfg.max_samples)
-        result["offline"]["store"] = str(cfg.store)
+        result["offline"] = _offline(cfg, drafter, target_dir, identity, device)
     if cfg.prompts:
-        from dflash.target_model.capture import load_target, load_tokenizer
-
-        dtype = dtypes[cfg.dtype]
-        tokenizer = load_tokenizer(target_dir)
-        prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples)
-        reference = None
-        if cfg.reference:
-            from dflash.evaluate.reference import ReferenceFile
-
-            reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
-        threshold = cfg.confidence_threshold or None
-        if cfg.workers < 1:
-            raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
-        if cfg.workers > 1:
-            from dflash.evaluate.workers import run_workers
-
-            refs = reference.load() if reference is not None else None
-            job = {"checkpoint": str(ckpt), "target": target_dir, "device": str(device), "dtype": cfg.dtype,
-                   "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
-            records = run_workers(job, prompts, refs, cfg.workers)
-            online = finish_online(records, drafter.config.block_size, threshold, reference, refs is not None)
-        else:
-            target = load_target(target_dir, dtype, device)
-            drafter.to(device=device, dtype=dtype)
-            online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
-                                 eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
-                                 reference=reference)
-        online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
+        online = _online(cfg, drafter, ckpt, target_dir, identity, device, dtypes[cfg.dtype])
         result["online"] = online
         result["lossless"] = online["lossless"] and (online.get("confidence") or {}).get("lossless", True)
         if "confidence" in online:
@@ -185,7 +197,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         if not online["lossless"]:
             lossless_failure = (
                 f"speculative decoding differs from target-only greedy decoding on {len(online['mismatches'])} of "
-                f"{len(prompts)} prompt(s) (first: {online['mismatches'][0]}); see 'mismatches' in the eval JSON."
+                f"{online['num_prompts']} prompt(s) (first: {online['mismatches'][0]}); see 'mismatches' in the eval JSON."
             )
     result["tau"] = (result.get("offline") or result["online"])["tau"]
 

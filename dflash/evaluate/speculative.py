@@ -130,6 +130,20 @@ def greedy_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos_i
 
 
 @torch.inference_mode()
+def _draft(drafter, hidden: torch.Tensor, head_weight: torch.Tensor, anchor: torch.Tensor,
+           confidence_threshold: float | None) -> tuple[torch.Tensor, int]:
+    """The block's B-1 proposals (lm_head's argmax, DFlash2's candidate selector's or DSpark's Markov walk,
+    as served) and how many of them the target verifies: all, or as many as DSpark's confidence head keeps."""
+    from dflash.drafter.dspark import verify_capacity
+
+    B = drafter.config.block_size
+    if confidence_threshold is not None and drafter.dspark_heads:
+        proposals, conf = drafter.propose_with_confidence(hidden, head_weight, anchor.view(1))
+        n_verify = int(verify_capacity(conf, confidence_threshold)[0]) if conf is not None else B - 1
+        return proposals[0], n_verify
+    return drafter.propose(hidden, head_weight, anchor.view(1))[0], B - 1
+
+
 def speculative_generate(
     target,
     drafter,
@@ -146,7 +160,6 @@ def speculative_generate(
     head picks how many of its drafts the target verifies, as vLLM's `dspark_confidence_threshold` does
     (dflash.drafter.dspark.verify_capacity); the rest are dropped unverified (docs/DESIGN.md §12).
     """
-    from dflash.drafter.dspark import verify_capacity
     from dflash.evaluate.target_cache import TargetCache
 
     cfg = drafter.config
@@ -182,14 +195,8 @@ def speculative_generate(
             )
             draft_cache.crop(start)
             drafted = start
-            # lm_head's argmax, DFlash2's candidate selector's or DSpark's Markov walk, as served
-            h = hidden[:, 1:].to(head.weight.dtype)
-            if confidence_threshold is not None and drafter.dspark_heads:
-                proposals, conf = drafter.propose_with_confidence(h, head.weight, anchor.view(1))
-                proposals = proposals[0]
-                n_verify = int(verify_capacity(conf, confidence_threshold)[0]) if conf is not None else B - 1
-            else:
-                proposals, n_verify = drafter.propose(h, head.weight, anchor.view(1))[0], B - 1
+            proposals, n_verify = _draft(drafter, hidden[:, 1:].to(head.weight.dtype), head.weight, anchor,
+                                         confidence_threshold)
             if propose is not None:
                 proposals = propose(start, proposals).to(device=device, dtype=torch.long)
             block[0, 1:] = proposals

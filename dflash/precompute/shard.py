@@ -110,17 +110,7 @@ def run_shard(job: ShardJob) -> dict:
         hidden_size = model.config.get_text_config().hidden_size
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         stats = {"rows": len(rows), "skipped": 0, "cut_away": 0, "truncated": 0, "new_samples": 0, "new_tokens": 0}
-        writer_args = dict(
-            store_path=cfg.out,
-            shard_index=shard,
-            hidden_width=len(job.layer_ids) * hidden_size,
-            num_layers=len(job.layer_ids),
-            hidden_dtype=cfg.hidden_dtype,
-            topk=cfg.topk,
-            final_hidden=cfg.final_hidden,
-            commit_every_tokens=cfg.commit_every_tokens,
-            chunk_tokens=cfg.store_chunk_tokens,
-        )
+        writer_args = _writer_args(job, hidden_size)
         capacity = max(cfg.token_budget, cfg.max_length)  # the most tokens one batch can hold
         frozen = False
         workers = cfg.render_workers if cfg.render_workers is not None else auto_workers(device.type, job.num_shards)
@@ -136,13 +126,7 @@ def run_shard(job: ShardJob) -> dict:
             first = None  # (seconds, tokens) when the first batch was handed to the writer
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
             for rendered in pool.windows(rows):
-                samples = []
-                for r, rd in rendered:
-                    if not any(rd.loss_mask):  # nothing to learn: no reply, or --max-length cut it all away
-                        stats["cut_away" if rd.truncated else "skipped"] += 1
-                        continue
-                    stats["truncated"] += rd.truncated
-                    samples.append((r, rd))
+                samples = _usable(rendered, stats)
                 bar.update(len(rendered) - len(samples))
                 for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
                     members = [samples[i] for i in batch]
@@ -172,6 +156,28 @@ def run_shard(job: ShardJob) -> dict:
     finally:
         hostgc.unfreeze()  # when run in the caller's process (tests): leave its GC as it was
         lock.close()
+
+
+def _writer_args(job: ShardJob, hidden_size: int) -> dict:
+    """The shard writer's arguments: what the store of this shard holds and how it commits."""
+    cfg = job.cfg
+    return dict(store_path=cfg.out, shard_index=job.shard, hidden_width=len(job.layer_ids) * hidden_size,
+                num_layers=len(job.layer_ids), hidden_dtype=cfg.hidden_dtype, topk=cfg.topk,
+                final_hidden=cfg.final_hidden, commit_every_tokens=cfg.commit_every_tokens,
+                chunk_tokens=cfg.store_chunk_tokens)
+
+
+def _usable(rendered: list, stats: dict) -> list:
+    """The rendered rows that have something to learn, counting the others (no reply, or --max-length
+    cut every reply away) and the truncated ones in `stats`."""
+    samples = []
+    for r, rd in rendered:
+        if not any(rd.loss_mask):
+            stats["cut_away" if rd.truncated else "skipped"] += 1
+            continue
+        stats["truncated"] += rd.truncated
+        samples.append((r, rd))
+    return samples
 
 
 def _steady(first, loop_s: float, tokens: int) -> dict:
