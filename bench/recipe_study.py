@@ -1,7 +1,7 @@
 """The recipe study (docs/RECIPE.md): held-out tau against training cost, one factor at a time from a
 baseline, several seeds, on one or more setups (a target, its train and held-out conversations).
 
-    python bench/recipe_study.py --setup default:data/target:data/train.jsonl:data/heldout.jsonl \
+    python bench/recipe_study.py --setup default:data/target_model:data/train.jsonl:data/heldout.jsonl \
         [--setup b:DIR:TRAIN:HELDOUT[:BASE]] [--configs base,lr6e-4,...] [--seeds 0,1] [--parallel 8] \
         [--steps 500] [--num-workers N] [--work /tmp/recipe] [--out $OUT]
 

@@ -8,7 +8,7 @@ data/train.jsonl plus `--extra` fresh conversations from the same generator (non
 with the held-out split).
 
     python stages/make_dataset.py --out data
-    python stages/make_target.py --data data --out data/target
+    python stages/make_target.py --data data --out data/target_model
 
 The defaults are what made the committed weights: 5000 steps of ~4096 tokens (~11M tokens, ~2.5 epochs
 of 82k conversations), which took 3.6 minutes on one H200 (`--device auto` picks CUDA when present).
@@ -210,7 +210,7 @@ def greedy_samples(model, tokenizer, convs, n: int, max_new_tokens: int = 160) -
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Train the embedded default target (tokenizer + small Qwen3 LM).")
     p.add_argument("--data", default="data", help="directory holding train.jsonl and heldout.jsonl")
-    p.add_argument("--out", default="data/target")
+    p.add_argument("--out", default="data/target_model")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--intermediate", type=int, default=768)

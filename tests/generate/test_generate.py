@@ -22,7 +22,7 @@ from dflash.generate.run import run_generate
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
-EMBEDDED = ROOT / "data" / "target"
+EMBEDDED = ROOT / "data" / "target_model"
 
 
 def cfg(**kw) -> GenerateConfig:

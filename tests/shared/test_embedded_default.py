@@ -16,9 +16,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "data"
-TARGET = DATA / "target"
+TARGET = DATA / "target_model"
 
-# Measured on the committed weights: ~0.01 nats per held-out assistant token (data/target/TRAINING.json).
+# Measured on the committed weights: ~0.01 nats per held-out assistant token (data/target_model/TRAINING.json).
 # A random-init model of this vocabulary scores ~7.6, one trained for a tenth of the steps ~0.6.
 MAX_HELDOUT_LOSS = 0.1
 
