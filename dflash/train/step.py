@@ -270,9 +270,9 @@ class TrainStep:
 
     @property
     def loss_kernel(self) -> str:
-        """The per-chunk loss kernel (loss.KERNELS) of the config as it is now, read at every step as before
-        the house: a caller that changes cfg.objective.loss_kernel or kd_weight after building the step (the
-        step bench's loss=triton variants do) gets the kernel it asked for, not the one the build saw."""
+        """The per-chunk loss kernel (loss.KERNELS) of the config as it is now, read at every step: a caller
+        that changes cfg.objective.loss_kernel or kd_weight after building the step (the step bench's
+        variants do) gets the kernel it asked for, not the one the build saw."""
         o = self.cfg.objective
         return chunk_kernel(o.loss_kernel, o.kd_weight > 0, self.device, self.compiled)
 
