@@ -65,6 +65,16 @@ def load_tokenizer(target_dir, trust_remote_code: bool = False):
     return tok
 
 
+def no_hub_kernels() -> dict:
+    """from_pretrained's switch that keeps the `kernels` library from swapping layers for kernels fetched
+    from the Hugging Face Hub, which transformers 5.25 does by default when `kernels` is installed: that is
+    code from the network, which dflash runs only when asked; other numerics than the target's own; and on
+    the meta device it refuses to load at all."""
+    import transformers
+
+    return {"use_kernels": False} if int(transformers.__version__.split(".")[0]) >= 5 else {}
+
+
 def check_config_matches_weights(target_dir, trust_remote_code: bool = False) -> None:
     """Load the checkpoint onto the meta device (the model's skeleton, no tensor data) through transformers'
     own key mapping, so that a config.json that disagrees with the weights fails before a store exists:
@@ -79,7 +89,8 @@ def check_config_matches_weights(target_dir, trust_remote_code: bool = False) ->
     transformers.logging.disable_progress_bar()
     try:
         _, info = AutoModelForCausalLM.from_pretrained(str(p), device_map="meta", output_loading_info=True,
-                                                       ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
+                                                       ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code,
+                                                       **no_hub_kernels())
     except Exception as e:
         raise TargetError(
             f"cannot load target {p} as a causal LM ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
@@ -115,7 +126,8 @@ def load_target(target_dir, dtype: torch.dtype, device: torch.device, trust_remo
     # (which N shard processes of a large target would otherwise each fill).
     kw = {"device_map": {"": str(device)}} if device.type != "cpu" and importlib.util.find_spec("accelerate") else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     **kw, **no_hub_kernels())
         model.to(device)
     except Exception as e:
         raise TargetError(
