@@ -195,7 +195,9 @@ def eval_summary(result: dict) -> str:
     if "online" in result:
         on = result["online"]
         lines.append(f"online tau = {on['tau']:.3f} over {on['num_prompts']} prompts, speed-up "
-                     f"{on['speedup']:.2f}x, lossless = {result['lossless']}")
+                     f"{on['speedup']:.2f}x, lossless = {result['lossless']}"
+                     + (f" ({on['prompts_left_out']} longer than the target's context left out)"
+                        if on.get("prompts_left_out") else ""))
     return "\n".join(lines)
 
 

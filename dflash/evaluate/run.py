@@ -12,6 +12,7 @@ import csv
 import json
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -34,21 +35,50 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
     return messages[:last] or None
 
 
-def load_prompts(path, tokenizer, max_samples: int | None = None) -> list[list[int]]:
-    """Prompt token ids: each conversation's turns before its last assistant turn + generation prompt."""
+def load_prompts(path, tokenizer, max_samples: int | None = None, max_tokens: int | None = None,
+                 left_out: list | None = None) -> list[list[int]]:
+    """Prompt token ids: each conversation's turns before its last assistant turn + generation prompt, the
+    first `max_samples` of them that are at most `max_tokens` long.  A longer prompt (a whole multi-turn
+    conversation can outgrow the target's context) is left out and the next row taken; each one's
+    (row, tokens) is appended to `left_out` and named on stderr."""
     from dflash.chat import conversation_of, load_rows
 
-    rows = load_rows(path, max_samples=max_samples)
+    rows = load_rows(path) if max_tokens is not None else load_rows(path, max_samples=max_samples)
     prompts = []
     for i, row in enumerate(rows):
+        if max_samples is not None and len(prompts) >= max_samples:
+            break
         msgs = prompt_messages(conversation_of(row, i, path))
         if msgs is None:
             continue
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
-        prompts.append(list(ids["input_ids"]))
+        ids = list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+        if max_tokens is not None and len(ids) > max_tokens:
+            print(f"dflash eval: the prompt of row {i} of {path} is {len(ids):,} tokens, more than the "
+                  f"{max_tokens:,} that leave room for --max-new-tokens in the target's context; left out, the "
+                  "next row taken instead", file=sys.stderr, flush=True)
+            if left_out is not None:
+                left_out.append((i, len(ids)))
+            continue
+        prompts.append(ids)
     if not prompts:
-        raise DataError(f"{path}: no conversation has a turn before its last assistant turn to use as a prompt.")
+        raise DataError(f"{path}: no conversation has a turn before its last assistant turn to use as a prompt"
+                        + (f" that fits in {max_tokens:,} tokens." if max_tokens is not None else "."))
     return prompts
+
+
+def prompt_budget(target_dir: str, max_new_tokens: int) -> int | None:
+    """The longest prompt that leaves room for `max_new_tokens` in the target's context, or None when the
+    target's config names no context length."""
+    from dflash.target_model.files import context_length
+
+    limit = context_length(target_dir)
+    if limit is None:
+        return None
+    if max_new_tokens >= limit:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens} does not fit the context of target {target_dir} "
+                          f"({limit:,} positions); give fewer new tokens.")
+    return limit - max_new_tokens
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
@@ -137,7 +167,9 @@ def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, dev
     from dflash.target_model.capture import load_target, load_tokenizer
 
     tokenizer = load_tokenizer(target_dir)
-    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples)
+    left_out: list = []
+    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples, prompt_budget(target_dir, cfg.max_new_tokens),
+                           left_out)
     reference = None
     if cfg.reference:
         from dflash.evaluate.reference import ReferenceFile
@@ -160,7 +192,7 @@ def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, dev
         online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                              eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
                              reference=reference)
-    online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device))
+    online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device), prompts_left_out=len(left_out))
     return online
 
 

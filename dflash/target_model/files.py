@@ -64,6 +64,12 @@ def target_config(target_dir: str | Path, trust_remote_code: bool = False):
         raise TargetError(f"cannot load the config of target {p}: {e}") from None
 
 
+def context_length(target_dir: str | Path) -> int | None:
+    """The target's context in positions (its text config's max_position_embeddings), or None if unnamed."""
+    n = _text_config(_read_config_json(_target_dir(target_dir))).get("max_position_embeddings")
+    return int(n) if n else None
+
+
 def target_identity(target_dir: str | Path, weights: bool = True) -> dict:
     """What a store records about its target, and what training compares against (`weights=False`: without
     the weights fingerprint, for callers that never compare it)."""
