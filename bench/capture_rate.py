@@ -135,7 +135,8 @@ def run_cli(a, budget: int, layer_ids: list[int], device) -> dict:
         st = json.loads((tmp / "store" / "shard-00000" / "status.json").read_text())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "writer_s", "writer_cpu_s")
+    keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "writer_s", "writer_cpu_s",
+            "first_batch_s", "steady_tok_per_s", "render_wait_s", "capture_s", "submit_s", "gc_s")
     return {"cli_tok_per_s": round(st["new_tokens"] / max(st["loop_s"], 1e-9)), "cli_wall_s": round(wall, 2),
             **{f"cli_{k}": st.get(k) for k in keep}}
 

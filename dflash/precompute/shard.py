@@ -125,14 +125,15 @@ def run_shard(job: ShardJob) -> dict:
             t_loop = time.time()
             first = None  # (seconds, tokens) when the first batch was handed to the writer
             bar = tqdm(total=len(rows), desc=f"shard {shard}", unit="sample", position=shard, dynamic_ncols=True, leave=True)
-            for rendered in pool.windows(rows):
+            waits = {"render_wait_s": 0.0, "capture_s": 0.0, "submit_s": 0.0}  # where the loop's time goes
+            for rendered in _timed(pool.windows(rows), waits, "render_wait_s"):
                 samples = _usable(rendered, stats)
                 bar.update(len(rendered) - len(samples))
                 for batch in plan_batches([len(rd.input_ids) for _, rd in samples], cfg.token_budget):
                     members = [samples[i] for i in batch]
                     todo = [(j, r, rd) for j, (r, rd) in enumerate(members) if id_base + r not in done]
                     if todo:
-                        _write_batch(sink, capture, members, todo, device, pad_id, id_base)
+                        _write_batch(sink, capture, members, todo, device, pad_id, id_base, waits)
                         if not frozen:  # the model and the compiled top-k exist now: no collection walks them
                             hostgc.freeze()
                             frozen = True
@@ -146,6 +147,7 @@ def run_shard(job: ShardJob) -> dict:
             bar.close()
             stats["loop_s"] = round(time.time() - t_loop, 3)  # rendering + capture + writes, start-up excluded
             stats.update(_steady(first, stats["loop_s"], stats["new_tokens"]))
+            stats.update({k: round(v, 3) for k, v in waits.items()})
             stats["render_workers"] = workers
             stats["wall_s"] = round(time.time() - t0, 3)
             stats["gc_s"] = round(gct.total_s, 3)
@@ -220,10 +222,31 @@ def _batch_ids(members, device, pad_id) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), lens
 
 
-def _write_batch(sink, capture, members, todo, device, pad_id, id_base: int = 0) -> None:
-    """Capture one batch and hand its `todo` rows to the sink's writer."""
+def _timed(it, acc: dict, key: str):
+    """`it`'s items, the seconds spent waiting for each added to acc[key]."""
+    it = iter(it)
+    while True:
+        t = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            acc[key] += time.perf_counter() - t
+        yield item
+
+
+def _write_batch(sink, capture, members, todo, device, pad_id, id_base: int = 0, waits: dict | None = None) -> None:
+    """Capture one batch and hand its `todo` rows to the sink's writer.  `waits` adds up the seconds of
+    the capture call (the GPU work is queued, so mostly the host's launch and top-k bookkeeping) and of the
+    hand-off (the device-to-host copies, and any wait for a free write slot)."""
     device = torch.device(device)
+    t = time.perf_counter()
     out = capture(*_batch_ids(members, device, pad_id))
+    t1 = time.perf_counter()
     final = {"final_hidden": out["final_hidden"]} if "final_hidden" in out else {}
     sink.submit([(b, id_base + r, r, rd.input_ids, rd.loss_mask) for b, r, rd in todo],
                 out["hidden"], out.get("topk_ids"), out.get("topk_logprobs"), **final)
+    if waits is not None:
+        waits["capture_s"] += t1 - t
+        waits["submit_s"] += time.perf_counter() - t1

@@ -31,3 +31,4 @@ def test_capture_rate_tiny_cli(tmp_path):
     assert r["cli_over_forward"] > 0 and r["cli_new_tokens"] > 0 and r["cli_loop_s"] > 0
     assert r["cli_writer_s"]["commits"] >= 1 and "checksum" in r["cli_writer_s"]
     assert r["cli_writer_cpu_s"]["user"] >= 0 and r["cli_write_stall_s"] >= 0
+    assert r["cli_capture_s"] > 0 and r["cli_render_wait_s"] >= 0 and r["cli_first_batch_s"] > 0

@@ -43,3 +43,7 @@ def test_shard_status_records_first_batch_and_steady_rate(tmp_path):
     st = shard_status(tmp_path / "s", 0)
     assert 0 < st["first_batch_s"] <= st["loop_s"]
     assert st["steady_tok_per_s"] > 0  # many batches under a 128-token budget
+    # where the loop's time went: waiting for rendered rows, the capture call, the hand-off to the writer
+    parts = [st["render_wait_s"], st["capture_s"], st["submit_s"]]
+    assert all(x >= 0 for x in parts) and st["capture_s"] > 0 and st["submit_s"] > 0
+    assert sum(parts) <= st["loop_s"] + 1e-3
