@@ -1,4 +1,4 @@
-"""The rows still to do through an engine, window by window, each window's rows appended to a journal.
+"""The rows still to do through an engine, window by window, each row appended to a journal once its turns are done.
 
 One device or a server: in this process.  Several GPUs: one spawned process per GPU (as precompute
 does), each taking every N-th row left and appending to a journal of its own; the launcher only draws
@@ -37,16 +37,21 @@ def window_size(cfg) -> int:
     return max(cfg.concurrency, 1) * 4 if cfg.endpoint else max(cfg.batch_size, 1) * 4
 
 
-def run_window(engine, cfg, rows: list[dict], chunk: list[Plan]) -> list[dict]:
-    """Journal records of the window's rows: every planned turn generated, in order."""
+def run_window(engine, cfg, rows: list[dict], chunk: list[Plan], emit=None) -> list[dict]:
+    """Journal records of the window's rows: every planned turn generated, in order.  With `emit`, each
+    row's record goes to `emit` as soon as its last turn is generated (a batch at a time from an engine
+    that reports batches, a round at a time otherwise); the records not emitted are returned."""
+    plans = {p.row: p for p in chunk}
     convs = {p.row: p.messages for p in chunk}
     pending = {p.row: list(p.turns) for p in chunk}
     acc = {p.row: {"tokens": 0, "cut": 0, "failed": None} for p in chunk}
-    while True:
-        reqs = [Request(r, prompt_messages(convs[r], turns[0])) for r, turns in pending.items() if turns]
-        if not reqs:
-            break
-        for resp in engine.generate(reqs, cfg.seed):
+    sent: set[int] = set()
+
+    def record(r: int) -> dict:
+        return {"row": r, "out": None if acc[r]["failed"] else write_back(rows[r], plans[r], convs[r]), **acc[r]}
+
+    def take(responses) -> None:
+        for resp in responses:
             turn = pending[resp.key].pop(0)
             if resp.error is not None:
                 acc[resp.key]["failed"] = resp.error
@@ -55,17 +60,35 @@ def run_window(engine, cfg, rows: list[dict], chunk: list[Plan]) -> list[dict]:
             convs[resp.key] = apply_response(convs[resp.key], turn, resp.text)
             acc[resp.key]["tokens"] += resp.tokens
             acc[resp.key]["cut"] += int(resp.cut)
-    return [{"row": p.row, "out": None if acc[p.row]["failed"] else write_back(rows[p.row], p, convs[p.row]),
-             **acc[p.row]} for p in chunk]
+        if emit is not None:
+            done = [resp.key for resp in responses if not pending[resp.key] and resp.key not in sent]
+            sent.update(done)
+            emit([record(r) for r in done])
+
+    by_batch = emit is not None and getattr(engine, "reports_batches", False)
+    while True:
+        reqs = [Request(r, prompt_messages(convs[r], turns[0])) for r, turns in pending.items() if turns]
+        if not reqs:
+            break
+        if by_batch:
+            engine.generate(reqs, cfg.seed, on_batch=take)
+        else:
+            take(engine.generate(reqs, cfg.seed))
+    return [record(p.row) for p in chunk if p.row not in sent]
 
 
 def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report) -> None:
-    """`report(rows, tokens)` after each window is durable in the journal."""
+    """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time, so
+    a stopped or killed run loses at most the batch in flight."""
+
+    def emit(records: list[dict]) -> None:
+        if records:
+            journal.append(records)
+            report(len(records), sum(r["tokens"] for r in records))
+
     size = window_size(cfg)
     for w in range(0, len(todo), size):
-        records = run_window(engine, cfg, rows, todo[w:w + size])
-        journal.append(records)
-        report(len(records), sum(r["tokens"] for r in records))
+        emit(run_window(engine, cfg, rows, todo[w:w + size], emit))
     journal.sync()
 
 

@@ -74,6 +74,8 @@ def check_thinking(tokenizer, thinking: str, where: str) -> None:
 class LocalEngine:
     """The target on one device, generating batches of requests."""
 
+    reports_batches = True  # generate(..., on_batch=) hands over each batch's responses as it finishes
+
     def __init__(self, cfg, device: str):
         self.cfg = cfg
         self.device = torch.device(device)
@@ -112,8 +114,9 @@ class LocalEngine:
         return Response(key, self.decode(body), tokens=len(ids) if stop is None else stop + 1, cut=stop is None)
 
     @torch.no_grad()
-    def generate(self, requests: list[Request], seed: int = 0) -> list[Response]:
-        """Responses in the order of `requests`; batches of --batch-size prompts sorted by length."""
+    def generate(self, requests: list[Request], seed: int = 0, on_batch=None) -> list[Response]:
+        """Responses in the order of `requests`; batches of --batch-size prompts sorted by length.
+        `on_batch(responses)` after each batch (first with the requests refused before any batch)."""
         encoded = {r.key: self.encode(r.messages) for r in requests}
         out: dict[int, Response] = {}
         ok = []
@@ -124,12 +127,16 @@ class LocalEngine:
                                       f"max_position_embeddings ({self.max_positions})")
             else:
                 ok.append(r.key)
+        if on_batch is not None and out:
+            on_batch(list(out.values()))
         ok.sort(key=lambda k: (len(encoded[k]), k))
         bs = max(1, self.cfg.batch_size)
         for b in range(0, len(ok), bs):
             keys = ok[b:b + bs]
             for key, ids in zip(keys, self._batch([encoded[k] for k in keys], seed + keys[0])):
                 out[key] = self._finish(key, ids)
+            if on_batch is not None:
+                on_batch([out[k] for k in keys])
         return [out[r.key] for r in requests]
 
     def _batch(self, prompts: list[list[int]], seed: int) -> list[list[int]]:

@@ -168,3 +168,33 @@ def test_turns_none_writes_the_rows_back_byte_for_byte_without_a_model(tmp_path,
     out = tmp_path / "out.jsonl"
     s = run_generate(cfg(data=chats, out=out, turns="none"))  # the pipeline's off switch: no target needed
     assert out.read_bytes() == chats.read_bytes() and s["rows"] == 12 and s["tokens"] == 0
+
+
+def test_in_process_rows_reach_the_journal_a_batch_at_a_time(tmp_path, long_target):
+    """A stopped or killed run keeps every finished batch: in session 19 a deadline stopped `dflash generate`
+    mid-window and 1,536 rows of finished batches (a window is 4 batches) were lost with it."""
+    from dflash.chat import load_rows
+    from dflash.generate.drive import drive
+    from dflash.generate.journal import Journal
+    from dflash.generate.rows import plan_row
+
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 10, max_words=6)
+    c = cfg(target=long_target, data=data, max_new_tokens=6, batch_size=2, turns="last")  # windows of 8 rows
+    rows = [dict(r) for r in load_rows(data)]
+    todo = [plan_row(r, i, data, "last") for i, r in enumerate(rows)]
+    work = tmp_path / "work"
+    work.mkdir()
+    journal = Journal(work, 0)
+    seen = []  # (rows reported, lines in the journal at that moment)
+
+    def report(n, tokens):
+        seen.append((n, journal.path.read_bytes().count(b"\n")))
+
+    try:
+        drive(LocalEngine(c, "cpu"), c, rows, todo, journal, report)
+    finally:
+        journal.close()
+    assert [n for n, _ in seen] == [2, 2, 2, 2, 2]  # a report per batch of 2, not one per window of 8
+    assert [lines for _, lines in seen] == [2, 4, 6, 8, 10]  # each batch in the journal when reported
+    recs = load_records(work)
+    assert sorted(recs) == list(range(10)) and all(r["out"] is not None and r["tokens"] == 6 for r in recs.values())
