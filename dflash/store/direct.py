@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import google_crc32c
@@ -93,6 +94,102 @@ class DirectObjects:
                 done += os.writev(fd, _from(parts, done)[:IOV_MAX])
         finally:
             os.close(fd)
+
+
+class DirectReads:
+    """Rows of one array read straight from its objects' inner chunks with `pread`.
+
+    Why: zarr reads a row range by decoding every inner chunk it touches whole (1,024 rows of a 135M
+    target's hidden states, or a whole object of 16K token ids, for a sample of a few hundred tokens) on
+    its event-loop thread, one round trip per read: the training loader's worker spent most of a
+    micro-batch there (docs/BENCHMARKS.md).  A raw inner chunk (the `bytes` codec alone) is the rows
+    themselves, so a range is a few `preadv`s into the caller's buffer; a compressed one is read and
+    decoded once and kept in a small cache, since the samples of a micro-batch share objects.  Objects are
+    immutable once a commit refers to them, so each one's index is read once."""
+
+    CACHE_BYTES = 64 * 2**20  # decoded compressed chunks kept per array (token ids, masks, top-k: small)
+
+    def __init__(self, array_dir: Path, S: int, ci: int, dtype: np.dtype, row: tuple, compressor=None):
+        self.dir, self.S, self.ci, self.dtype, self.row, self.compressor = array_dir, S, ci, dtype, row, compressor
+        self.row_bytes = dtype.itemsize * int(np.prod(row, dtype=np.int64))
+        self._index: dict[int, np.ndarray] = {}
+        self._decoded: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    @classmethod
+    def of(cls, arr, array_dir: Path) -> DirectReads | None:
+        """The reader of `arr` (stored in `array_dir`), or None for codecs this module does not write."""
+        enc = DirectObjects.of(arr)
+        return None if enc is None else cls(array_dir, enc.S, enc.ci, enc.dtype, tuple(arr.shape[1:]), enc.compressor)
+
+    def _object(self, k: int) -> Path:
+        p = self.dir / "c" / str(k)
+        return p / "0" if self.row else p
+
+    def _chunks(self, k: int, fd: int) -> np.ndarray:
+        """Object k's index: [inner chunks, 2] (offset, nbytes; -1 for a chunk past the array's end, which
+        a partial last object leaves out), its checksum checked."""
+        idx = self._index.get(k)
+        if idx is not None:
+            return idx
+        n = self.S // self.ci
+        data = os.fstat(fd).st_size - n * 16 - 4
+        raw = os.pread(fd, n * 16 + 4, max(data, 0))
+        if len(raw) != n * 16 + 4 or google_crc32c.value(raw[:-4]) != struct.unpack("<I", raw[-4:])[0]:
+            raise ValueError(f"object {self._object(k)}: its shard index fails its checksum")
+        idx = np.frombuffer(raw[:-4], dtype="<u8").reshape(n, 2).astype(np.int64)
+        present = idx[:, 0] >= 0
+        raw_size = self.compressor is None and (idx[present, 1] != self.ci * self.row_bytes).any()
+        if raw_size or (idx[present].sum(axis=1) > data).any():
+            raise ValueError(f"object {self._object(k)}: its index names chunks outside the file or of the wrong size")
+        self._index[k] = idx
+        return idx
+
+    def _decode(self, k: int, c: int, fd: int, idx: np.ndarray) -> np.ndarray:
+        """Inner chunk c of object k, decoded: [ci * row_bytes] bytes, from the cache when it is there."""
+        got = self._decoded.get((k, c))
+        if got is not None:
+            self._decoded.move_to_end((k, c))
+            return got
+        raw = os.pread(fd, int(idx[c, 1]), int(idx[c, 0]))
+        got = np.frombuffer(self.compressor.decode(raw), dtype=np.uint8)
+        if got.size != self.ci * self.row_bytes:
+            raise ValueError(f"object {self._object(k)}: inner chunk {c} decodes to {got.size} bytes, not "
+                             f"{self.ci * self.row_bytes}")
+        self._decoded[(k, c)] = got
+        while len(self._decoded) > 1 and len(self._decoded) * got.size > self.CACHE_BYTES:
+            self._decoded.popitem(last=False)
+        return got
+
+    def read_into(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """Rows [lo, hi) into `out` (C-contiguous, hi - lo rows of this array's dtype and row shape)."""
+        if out.dtype.itemsize * out[:1].size != self.row_bytes or not out.flags.c_contiguous:
+            raise ValueError(f"out of {out.dtype} {out.shape} does not hold rows of {self.row_bytes} bytes")
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        r = lo
+        while r < hi:
+            k = r // self.S
+            end = min(hi, (k + 1) * self.S)
+            try:
+                fd = os.open(self._object(k), os.O_RDONLY)
+            except FileNotFoundError:  # as zarr reads it: the fill value (0), which the checksums catch
+                buf[(r - lo) * self.row_bytes : (end - lo) * self.row_bytes] = b"\0" * ((end - r) * self.row_bytes)
+                r = end
+                continue
+            try:
+                idx = self._chunks(k, fd)
+                while r < end:
+                    c, within = divmod(r - k * self.S, self.ci)
+                    n = min(end - r, self.ci - within)
+                    dst = buf[(r - lo) * self.row_bytes : (r - lo + n) * self.row_bytes]
+                    if idx[c, 0] < 0:  # a chunk the index leaves out reads as the fill value too
+                        dst[:] = b"\0" * len(dst)
+                    elif self.compressor is not None:
+                        dst[:] = self._decode(k, c, fd, idx)[within * self.row_bytes : (within + n) * self.row_bytes]
+                    elif os.preadv(fd, [dst], int(idx[c, 0]) + within * self.row_bytes) != len(dst):
+                        raise ValueError(f"object {self._object(k)} is shorter than its index says")
+                    r += n
+            finally:
+                os.close(fd)
 
 
 def _from(parts: list, skip: int) -> list:

@@ -38,10 +38,11 @@ class ShardData:
         self.end, self.zarr_end, self.tail_file = committed.end, committed.zarr_end, committed.tail
         self.array_names = tuple(array_names)
         self._arrays = None
+        self._direct: dict = {}  # name -> DirectReads, or None where zarr must decode (compressed arrays)
         self._tail = None
 
     def __getstate__(self):
-        return {**self.__dict__, "_arrays": None, "_tail": None}
+        return {**self.__dict__, "_arrays": None, "_direct": {}, "_tail": None}
 
     def _load_tail(self) -> None:
         """The committed rows past `zarr_end`.  A writer still at work replaces its tail file at every
@@ -57,6 +58,7 @@ class ShardData:
                 raise StoreError(f"{self.dir}: the shard now ends at token {c.end}, before this reader's {self.end}; "
                                  "it was rewritten, not grown. Re-open the store (or restart training).")
             self.zarr_end, self.tail_file, self._arrays = c.zarr_end, c.tail, None  # reopen: the arrays grew
+            self._direct = {}  # and read the objects' indexes afresh (a finalized shard's last one is new)
             if self.end <= self.zarr_end:
                 return
         raise StoreError(f"{self.dir}: the tail file kept changing while it was read; is a writer committing "
@@ -92,29 +94,57 @@ class ShardData:
                 "`dflash precompute` into a new store (another --out)."
             ) from e
 
+    def _direct_reads(self, name: str):
+        if name not in self._direct:
+            from dflash.store.direct import DirectReads
+
+            self._direct[name] = DirectReads.of(self.array(name), self.dir / name)
+        return self._direct[name]
+
+    def _object_read(self, name: str, lo: int, hi: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [lo, hi) below zarr_end: straight from the objects' raw inner chunks where the array's are
+        raw (dflash.store.direct.DirectReads), else decoded by zarr."""
+        direct = self._direct_reads(name)
+        if direct is None:
+            if out is None:
+                return self._zarr_read(name, lo, hi)
+            from zarr.core.buffer.cpu import NDBuffer
+
+            self._zarr_read(name, lo, hi, out=NDBuffer.from_numpy_array(out))
+            return out
+        if out is None:
+            out = np.empty((hi - lo, *direct.row), dtype=direct.dtype)
+        try:
+            direct.read_into(lo, hi, out)
+        except (OSError, ValueError) as e:
+            raise StoreError(
+                f"{self.dir}: rows [{lo}, {hi}) of {name} cannot be decoded ({type(e).__name__}: {e}); the shard is "
+                f"damaged. Run `dflash verify {self.dir.parent}` to list the damaged samples, then re-run "
+                "`dflash precompute` into a new store (another --out)."
+            ) from e
+        return out
+
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         if hi > self.end:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
         self._need_tail(hi)  # first: it may move zarr_end
         parts = []
         if lo < self.zarr_end:
-            parts.append(self._zarr_read(name, lo, min(hi, self.zarr_end)))
+            parts.append(self._object_read(name, lo, min(hi, self.zarr_end)))
         if hi > self.zarr_end:
             # copy: Arrow memory is read-only, and torch tensors made from it must be writable
             parts.append(self._tail[name][max(lo, self.zarr_end) - self.zarr_end : hi - self.zarr_end].copy())
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def rows_into(self, name: str, lo: int, hi: int, out: np.ndarray) -> None:
-        """rows(name, lo, hi) written into `out` (same dtype, hi - lo rows): Zarr decodes straight into
-        it, which saves the loader a copy of every hidden state it reads."""
-        from zarr.core.buffer.cpu import NDBuffer
-
+        """rows(name, lo, hi) written into `out` (same dtype, hi - lo rows), which saves the loader a copy of
+        every hidden state it reads."""
         if hi > self.end:
             raise StoreError(f"{self.dir}: rows [{lo}, {hi}) are past the committed end {self.end}.")
         self._need_tail(hi)
         mid = min(hi, self.zarr_end)
         if lo < mid:
-            self._zarr_read(name, lo, mid, out=NDBuffer.from_numpy_array(out[: mid - lo]))
+            self._object_read(name, lo, mid, out[: mid - lo])
         if hi > self.zarr_end:
             start = max(lo, self.zarr_end)
             out[start - lo :] = self.rows(name, start, hi)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash.store import ShardWriter, layout
-from dflash.store.direct import DirectObjects
+from dflash.store.direct import DirectObjects, DirectReads
 from dflash.store.objects import object_path, open_arrays
 
 
@@ -110,3 +110,56 @@ def test_codec_settings_as_strings_are_understood(tmp_path):
     assert ours is not None and theirs is not None
     x = np.random.default_rng(0).integers(0, 2**16, (S, *specs["hidden"][1])).astype(np.uint16)
     assert b"".join(bytes(b) for b in ours.encode(x)) == b"".join(bytes(b) for b in theirs.encode(x))
+
+
+@pytest.mark.parametrize("hidden_dtype,compressor,cache", [("bf16", None, None), ("fp8", None, None),
+                                                          ("bf16", "zstd", None), ("bf16", None, 1)])
+def test_direct_reads_equal_zarrs(tmp_path, hidden_dtype, compressor, cache):
+    """Every array of a shard, any row range (inside an inner chunk, across chunks, across objects, into
+    the partial last object finalize writes): the rows zarr decodes.  Raw chunks are read in place, compressed
+    ones decoded through the cache (cache=1 byte: evicted after every chunk)."""
+    specs = layout.array_specs(hidden_dtype, 96, 3, 8, final_hidden=True)
+    S, ci = 64, 16
+    arrays = open_arrays(tmp_path, specs, {"hidden_dtype": hidden_dtype}, S, ci, compressor, False)
+    rng = np.random.default_rng(2)
+    n = 2 * S + 23
+    ranges = [(0, n), (0, 1), (5, 21), (15, 17), (60, 70), (63, 130), (2 * S, n), (n - 1, n)]
+    ranges += [tuple(sorted(rng.choice(n + 1, 2, replace=False))) for _ in range(20)]
+    for name, (dtype, row) in specs.items():
+        x = _rows(rng, dtype, (n, *row))
+        arrays[name].resize((n, *row))
+        arrays[name][:] = x
+        reads = DirectReads.of(arrays[name], tmp_path / name)
+        assert reads is not None, name
+        raw = name in ("hidden", "final_hidden") and compressor is None
+        assert (reads.compressor is None) == raw, name
+        if cache is not None:
+            reads.CACHE_BYTES = cache
+        for lo, hi in ranges:
+            out = np.full((hi - lo, *row), 7, dtype=dtype)
+            reads.read_into(int(lo), int(hi), out)
+            np.testing.assert_array_equal(out, x[lo:hi], err_msg=f"{name} [{lo}, {hi})")
+            np.testing.assert_array_equal(out, arrays[name][lo:hi])
+        if not raw:
+            assert 1 <= len(reads._decoded) <= (1 if cache else S // ci * 3)
+
+
+def test_direct_reads_refuse_a_damaged_index_and_read_a_missing_object_as_zeros(tmp_path):
+    specs = layout.array_specs("bf16", 32, 2, 4)
+    S, ci = 64, 16
+    arrays = open_arrays(tmp_path, specs, {"hidden_dtype": "bf16"}, S, ci, None, False)
+    dtype, row = specs["hidden"]
+    x = _rows(np.random.default_rng(3), dtype, (2 * S, *row))
+    arrays["hidden"].resize((2 * S, *row))
+    arrays["hidden"][:] = x
+    reads = DirectReads.of(arrays["hidden"], tmp_path / "hidden")
+    obj = object_path(tmp_path, "hidden", row, 1)
+    b = bytearray(obj.read_bytes())
+    b[-1] ^= 0xFF  # the index's crc32c
+    obj.write_bytes(bytes(b))
+    out = np.empty((10, *row), dtype)
+    with pytest.raises(ValueError, match="fails its checksum"):
+        reads.read_into(S + 3, S + 13, out)
+    object_path(tmp_path, "hidden", row, 0).unlink()
+    reads.read_into(3, 13, out)  # as zarr reads a missing object: the fill value
+    assert not out.any()
