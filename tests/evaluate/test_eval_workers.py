@@ -58,9 +58,17 @@ def _eval(tmp, chats, workers: int, out: str, *extra) -> dict:
             "result": json.loads((tmp / out).read_text()) if proc.returncode == 0 else None}
 
 
-def test_workers_give_one_processs_result(run_dir):
+@pytest.fixture(scope="module")
+def one_process(run_dir):
+    """`dflash eval --workers 1` writing its target-only reference (ref1.json): the result the workers must
+    give, and the reference the mismatch test doctors (one eval for both, not one each)."""
     tmp, chats = run_dir
-    one = _eval(tmp, chats, 1, "one.json", "--reference", str(tmp / "ref1.json"))
+    return _eval(tmp, chats, 1, "one.json", "--reference", str(tmp / "ref1.json"))
+
+
+def test_workers_give_one_processs_result(run_dir, one_process):
+    tmp, chats = run_dir
+    one = one_process
     three = _eval(tmp, chats, 3, "three.json", "--reference", str(tmp / "ref3.json"))
     assert one["rc"] == 0 and three["rc"] == 0, (one["stderr"], three["stderr"])
     a, b = one["result"]["online"], three["result"]["online"]
@@ -72,13 +80,13 @@ def test_workers_give_one_processs_result(run_dir):
     assert [g["tokens"] for g in gens[0]] == [g["tokens"] for g in gens[1]]
 
 
-def test_a_mismatch_in_a_later_slice_names_its_prompt(run_dir):
+def test_a_mismatch_in_a_later_slice_names_its_prompt(run_dir, one_process):
     """A doctored reference (prompt 4, the last worker's) must be what the workers compare against, and
     the mismatch must carry prompt 4, not the worker's own index 0 or 1."""
     tmp, chats = run_dir
     ref = tmp / "doctored.json"
-    assert _eval(tmp, chats, 1, "d1.json", "--reference", str(ref))["rc"] == 0
-    body = json.loads(ref.read_text())
+    assert one_process["rc"] == 0, one_process["stderr"]
+    body = json.loads((tmp / "ref1.json").read_text())  # the reference one process wrote
     body["generations"][4]["tokens"][0] += 1  # every output has its first token
     ref.write_text(json.dumps(body))
     bad = _eval(tmp, chats, 2, "d2.json", "--reference", str(ref))
