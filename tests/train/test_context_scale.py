@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,20 +179,31 @@ def test_a_run_trains_resumes_exports_and_refuses_a_change(tiny_store, tmp_path)
         launch_train(_train_cfg(target, store, plain, steps=4, resume=True))
 
 
+@pytest.fixture(scope="module")
+def one_process_accumulating(tiny_store, tmp_path_factory):
+    """cpu:1 x 2 micro-batches, 3 steps: the reference both two-process runs (DDP, FSDP2) must equal, trained
+    once for the module (the run does not depend on the two-process run's parallelism)."""
+    from dflash.train.launch import launch_train
+
+    target, _, store = tiny_store
+    one = _train_cfg(target, store, tmp_path_factory.mktemp("context_scale") / "one", steps=3, save_every=3,
+                     grad_accum=2)
+    launch_train(one)
+    return Path(one.out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_processes_set_the_scale_on_every_rank(tiny_store, tmp_path, parallel):
+def test_two_processes_set_the_scale_on_every_rank(tiny_store, tmp_path, parallel, one_process_accumulating):
     """cpu:2 (DDP or FSDP2 over gloo) x 1 micro-batch = cpu:1 x 2 micro-batches, step for step: a rank left at
     ones would compute other losses and gradients."""
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     import yaml
 
     from dflash.config import to_dict
-    from dflash.train.launch import launch_train
 
     target, _, store = tiny_store
     two = _train_cfg(target, store, tmp_path / "two", gpus="cpu:2", steps=3, save_every=3, parallel=parallel)
@@ -202,16 +214,15 @@ def test_two_processes_set_the_scale_on_every_rank(tiny_store, tmp_path, paralle
     p = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", "params.yaml"], env=env,
                        cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    one = _train_cfg(target, store, tmp_path / "one", steps=3, save_every=3, grad_accum=2)
-    launch_train(one)
+    one = one_process_accumulating
 
     def losses(run):
         return [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
 
     assert len(losses(tmp_path / "two")) == 3
-    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert losses(tmp_path / "two") == pytest.approx(losses(one), rel=1e-5)
     w2 = load_file(str(tmp_path / "two" / "checkpoints" / "step-00000003" / "model.safetensors"))
-    w1 = load_file(str(tmp_path / "one" / "checkpoints" / "step-00000003" / "model.safetensors"))
+    w1 = load_file(str(one / "checkpoints" / "step-00000003" / "model.safetensors"))
     assert torch.equal(w2["context_scale"], w1["context_scale"]) and not torch.equal(
         w1["context_scale"], torch.ones_like(w1["context_scale"]))
     for k in w1:
