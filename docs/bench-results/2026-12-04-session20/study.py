@@ -16,6 +16,9 @@ In /root/ex (examples/smollm2 laid out by c4.sh, with all 17,129 training conver
      target-only reference): MID checkpoints while runs train (one at a time), then every run's last
      checkpoint, EVALS at once.
 `python3 study.py collect` prints the summary (study.json).
+
+Env: RUNS (a subset of RUNS below), TRAIN_S, STEPS_<RUN>, MID, EVERY, EVALS, EVALS_BUSY, EVAL_FIRST, EVAL_ARGS,
+WORKERS; e.g. one long run alone: RUNS=DT STEPS_DT=6000 TRAIN_S=1100 EVERY=1000 MID= EVALS=4.
 """
 
 from __future__ import annotations
@@ -133,7 +136,8 @@ def stop(p: subprocess.Popen) -> None:
 def drive() -> None:
     (E / "logs").mkdir(exist_ok=True)
     (E / "eval").mkdir(exist_ok=True)
-    plan = {n: steps_of(s) for n, (s, _) in RUNS.items()}
+    # STEPS_<RUN>=N sets a run's steps outright (a run alone, whose rate the five-run estimates do not give)
+    plan = {n: int(os.environ.get(f"STEPS_{n}", 0)) or steps_of(s) for n, (s, _) in RUNS.items()}
     log(f"driver: runs {plan} in ~{TRAIN_S:.0f} s, {WORKERS} loader workers each")
     if not (E / "model/config.json").exists() and run("target", [sys.executable, "stages/target.py"], 300):
         return log("driver: the target stage failed; stopping")
@@ -189,8 +193,10 @@ def watch(procs: dict, ref, plan: dict, t_train: float) -> None:
         alive = [n for n, p in procs.items() if p.poll() is None]
         cap = EVALS_BUSY if alive else EVALS
         # finals first once training is over
-        if not alive:
-            queue.sort(key=lambda x: (x[0] + "@" + x[1].name) not in {f"{n}@{checkpoints(n)[-1].name}" for n in procs if checkpoints(n)})
+        if not alive:  # last checkpoints first, and among them the runs named in EVAL_FIRST
+            finals = {f"{n}@{checkpoints(n)[-1].name}" for n in procs if checkpoints(n)}
+            first = os.environ.get("EVAL_FIRST", "").split(",")
+            queue.sort(key=lambda x: (f"{x[0]}@{x[1].name}" not in finals, x[0] not in first))
         while queue and len(evals) < cap and (E / "eval/reference.json").exists():
             name, c = queue.pop(0)
             evals[(name, c.name)] = bg(f"eval_{name}@{c.name}", eval_cmd(name, c))
