@@ -6,14 +6,16 @@
 Held-out tau (offline, on the store of the target's own replies to the held-out first exchanges), left
 against GPU-minutes (study.py fair_share_minutes: the wall time a run trained over the number of training
 runs alive), right against optimizer steps. Solid: session 21 (the example's defaults in one long run, and
-DSpark again); dotted: session 20's runs. Stars: online tau (the lossless eval, 100 held-out prompts x 128
+DSpark again; DT's steps 3,000-5,000 ran in a later call, resumed from its checkpoint); dotted: session 20's runs. Stars: online tau (the lossless eval, 100 held-out prompts x 128
 new tokens) of each checkpoint whose eval finished.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import tarfile
 from pathlib import Path
 
 import matplotlib
@@ -48,14 +50,41 @@ def draw(study: dict, a, b, session: str, style: str, colors: dict) -> None:
                 b.plot([step], [ev["tau"]], "*", ms=13, color=colors[name])
 
 
+def add_resumed(study: dict, src: Path) -> None:
+    """The resumed segment (results/resume.json) after the driver's: its GPU-minutes are the first segment's
+    total (the steps redone after the stop included) plus its own wall time, alone on the GPU, spread over its
+    steps by their device-timeline times from metrics.jsonl (the rest of its wall time is start-up)."""
+    seg = json.loads((src / "resume.json").read_text())
+    with tarfile.open(src / "detail.tar.xz") as t:
+        raw = t.extractfile(f"./metrics/{seg['run']}.jsonl").read().decode()
+    rows = [json.loads(x) for x in io.StringIO(raw) if x.strip()]
+    rows = [r for r in rows if "tau" in r and r["step"] > seg["from_step"] and r.get("ctx_tokens_per_s")]
+    times = [r["ctx_tokens"] / r["ctx_tokens_per_s"] for r in rows]
+    start_up = seg["wall_s"] - sum(times)
+    rec = study["runs"][seg["run"]]
+    base, acc = rec["fair_share"][-1][1], start_up
+    for r, dt in zip(rows, times):
+        acc += dt
+        rec["fair_share"].append((r["step"], base + acc / 60))
+
+
 def main(src: Path, earlier: Path, out: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5.5))
     colors: dict = {}
-    draw(json.loads((src / "study.json").read_text()), a, b, "s21", "o-", colors)
+    study = json.loads((src / "study.json").read_text())
+    if (src / "resume.json").is_file():
+        add_resumed(study, src)
+    draw(study, a, b, "s21", "o-", colors)
     old = json.loads((earlier / "study.json").read_text())
     old["runs"] = {k: v for k, v in old["runs"].items() if k in ("L", "D", "DT", "S")}
     draw(old, a, b, "s20", "o:", colors)
-    a.set(xlabel="GPU-minutes (wall time over the training runs alive on one H200)", ylabel="tau")
+    seg = json.loads((src / "resume.json").read_text()) if (src / "resume.json").is_file() else None
+    if seg:  # DT's steps as minutes alone: the resumed segment's wall time per step, start-up and evals included
+        per = seg["wall_s"] / (seg["to_step"] - seg["from_step"]) / 60
+        top = b.secondary_xaxis("top", functions=(lambda x: x * per, lambda m: m / per))
+        top.set_xlabel(f"DT alone on the H200: minutes at the resumed segment's {per * 60:.3f} s per step", fontsize=8)
+    a.set(xlabel="GPU-minutes (wall time over the training runs alive on one H200; s21 DT: steps 3,000-5,000 "
+                 "resumed alone)", ylabel="tau")
     b.set(xlabel="optimizer steps (8 packed rows of 4,096 tokens, ~20 ShareGPT samples)", ylabel="tau")
     fig.suptitle("SmolLM2-135M-Instruct on all 17K ShareGPT conversations, block 16: held-out tau (lines) and "
                  "online tau (stars)", fontsize=11)
