@@ -54,7 +54,7 @@ def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None,
     for i, ids in enumerate(as_ids):
         ref = refs[i] if refs is not None else greedy_generate(target, ids, max_new_tokens, eos_ids)
         got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, propose=propose)
-        rec = {"ref": {"tokens": ref.tokens, "seconds": ref.seconds},
+        rec = {"prompt_tokens": len(prompts[i]), "ref": {"tokens": ref.tokens, "seconds": ref.seconds},
                "got": {"tokens": got.tokens, "seconds": got.seconds, "acceptance": got.acceptance}}
         if got.tokens != ref.tokens:
             at = next((j for j, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b),
@@ -93,6 +93,12 @@ def summarize_online(records: list[dict], block_size: int, threshold: float | No
                     / max(len(ctaus) + len(records), 1))
         out["confidence"] = conf
     out.update(
+        # each prompt's own tau, to split the mean by prompt (length, turns) afterwards; the mean over
+        # prompts weighted by their draft steps is `tau`
+        per_prompt=[{"prompt_tokens": r.get("prompt_tokens"), "new_tokens": len(r["got"]["tokens"]),
+                     "steps": len(r["got"]["acceptance"]),
+                     "tau": float(np.mean(r["got"]["acceptance"])) if r["got"]["acceptance"] else None}
+                    for r in records],
         lossless=not mismatches,
         mismatches=mismatches,
         num_prompts=len(records),

@@ -36,11 +36,11 @@ def prompt_messages(messages: list[dict]) -> list[dict] | None:
 
 
 def load_prompts(path, tokenizer, max_samples: int | None = None, max_tokens: int | None = None,
-                 left_out: list | None = None) -> list[list[int]]:
+                 left_out: list | None = None, rows_used: list | None = None) -> list[list[int]]:
     """Prompt token ids: each conversation's turns before its last assistant turn + generation prompt, the
     first `max_samples` of them that are at most `max_tokens` long.  A longer prompt (a whole multi-turn
     conversation can outgrow the target's context) is left out and the next row taken; each one's
-    (row, tokens) is appended to `left_out` and named on stderr."""
+    (row, tokens) is appended to `left_out` and named on stderr.  `rows_used` gets each prompt's row."""
     from dflash.chat import conversation_of, load_rows
 
     rows = load_rows(path) if max_tokens is not None else load_rows(path, max_samples=max_samples)
@@ -61,6 +61,8 @@ def load_prompts(path, tokenizer, max_samples: int | None = None, max_tokens: in
                 left_out.append((i, len(ids)))
             continue
         prompts.append(ids)
+        if rows_used is not None:
+            rows_used.append(i)
     if not prompts:
         raise DataError(f"{path}: no conversation has a turn before its last assistant turn to use as a prompt"
                         + (f" that fits in {max_tokens:,} tokens." if max_tokens is not None else "."))
@@ -168,8 +170,9 @@ def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, dev
 
     tokenizer = load_tokenizer(target_dir)
     left_out: list = []
+    rows: list = []
     prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples, prompt_budget(target_dir, cfg.max_new_tokens),
-                           left_out)
+                           left_out, rows)
     reference = None
     if cfg.reference:
         from dflash.evaluate.reference import ReferenceFile
@@ -192,6 +195,8 @@ def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, dev
         online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
                              eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
                              reference=reference)
+    for rec, row in zip(online["per_prompt"], rows):
+        rec["row"] = row  # the prompt's row in --prompts
     online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device), prompts_left_out=len(left_out))
     return online
 

@@ -90,4 +90,5 @@ def test_dflash_eval_leaves_out_a_prompt_beyond_the_context_and_counts_it(target
     result = run_eval(EvalConfig(run=str(run), prompts=chats, max_new_tokens=8, max_samples=2,
                                  out=str(tmp_path / "eval.json"), plots=False))
     assert result["online"]["num_prompts"] == 2 and result["online"]["prompts_left_out"] == 1
+    assert [x["row"] for x in result["online"]["per_prompt"]] == [0, 2]  # row 1 left out, named by row
     assert result["lossless"] is True

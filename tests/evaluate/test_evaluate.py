@@ -92,6 +92,12 @@ def test_untrained_drafter_is_lossless(setup):
     assert r["new_tokens"] == 40 * len(prompts)
     assert 1.0 <= r["tau"] <= B
     assert sum(r["tau_hist"]) == r["num_blocks"] > 0
+    # one record per prompt, in order, whose step-weighted mean is the run's tau
+    per = r["per_prompt"]
+    assert [x["prompt_tokens"] for x in per] == [len(p) for p in prompts]
+    assert [x["new_tokens"] for x in per] == [40] * len(prompts)
+    assert sum(x["steps"] for x in per) == r["num_blocks"]
+    assert sum(x["tau"] * x["steps"] for x in per) / r["num_blocks"] == pytest.approx(r["tau"])
 
 
 def test_cheating_drafter_is_accepted_whole_and_lossless(setup):
