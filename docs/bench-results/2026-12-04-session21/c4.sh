@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 21, call 4 (carry .carry): copy this tree to /root/code (a call's tree does not outlive it), lay
+# Session 21, call 4 (carry .carry; session 22 passes DRIVER, its driver and arguments): copy this tree to /root/code (a call's tree does not outlive it), lay
 # out /root/ex as examples/smollm2 with the wheel in its cache and all 17,129 training conversations, the
 # 200 held-out ones and session 19's regenerated replies in data/, start study.py's driver in its own
 # process session, then watch it (watch.sh) for WATCH_S seconds.
@@ -13,5 +13,5 @@ for f in .carry/*.xz; do xz -T8 -d -c $f > $E/data/$(basename $f .xz); done
 xz -d -c docs/bench-results/2026-12-03-session19/results/gen_all.jsonl.xz > $E/data/gen_all.jsonl
 wc -l $E/data/*.jsonl; df -h /root | tail -1
 cd $E && TMPDIR=/root/tmp PYTHONPATH=/root/site:/root/code PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 \
-  setsid nohup python3 /root/code/$S/study.py run > $E/driver.out 2>&1 < /dev/null &
+  setsid nohup python3 /root/code/${DRIVER:-$S/study.py run} > $E/driver.out 2>&1 < /dev/null &
 sleep 2; cd /root/code && bash $S/watch.sh
