@@ -46,6 +46,12 @@ def shapes(tiny: bool) -> dict:
     return dict(token_budget=4096, num_anchors=64, block_size=16, num_layers=5, samples=200, lengths=(300, 4096))
 
 
+def hidden_dtype() -> str:
+    """The store's hidden dtype: BENCH_HIDDEN=fp8 for the fp8 stores of large data (bf16 by default).  A
+    work dir holds one store: give each dtype its own BENCH_WORK."""
+    return os.environ.get("BENCH_HIDDEN", "bf16")
+
+
 def build_store(tiny: bool, res: Results | None = None) -> tuple[Path, Path, int]:
     """(target dir, store dir, mask token id), built once per work dir."""
     from dflash.store import ShardWriter, create_or_check_manifest
@@ -63,7 +69,7 @@ def build_store(tiny: bool, res: Results | None = None) -> tuple[Path, Path, int
     L, H = len(d["target_layer_ids"]), d["hidden_size"]
     create_or_check_manifest(store, {
         "target": target_identity(tdir), "tokenizer_hash": tokenizer_hash(tdir), "dataset_fingerprint": "bench",
-        "target_layer_ids": d["target_layer_ids"], "hidden_dtype": "bf16", "topk": TOPK,
+        "target_layer_ids": d["target_layer_ids"], "hidden_dtype": hidden_dtype(), "topk": TOPK,
         "max_length": sh["lengths"][1], "num_shards": 1}, overwrite=True)
     rng = np.random.default_rng(0)
     lo, hi = sh["lengths"]
@@ -71,7 +77,8 @@ def build_store(tiny: bool, res: Results | None = None) -> tuple[Path, Path, int
     lengths = np.clip(rng.lognormal(np.log(lo * 3), 0.6, sh["samples"]), lo, hi).astype(int)
     pool = torch.randn(2 * hi, L * H).to(torch.bfloat16)
     t = time.perf_counter()
-    with ShardWriter(store, 0, hidden_width=L * H, num_layers=L, hidden_dtype="bf16", topk=TOPK, durable=False) as wr:
+    with ShardWriter(store, 0, hidden_width=L * H, num_layers=L, hidden_dtype=hidden_dtype(), topk=TOPK,
+                     durable=False) as wr:
         for sid, n in enumerate(lengths):
             n = int(n)
             o = int(rng.integers(0, len(pool) - n + 1))

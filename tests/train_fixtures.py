@@ -50,7 +50,7 @@ def teach_counting(target: Path, rows: list[dict], steps: int = 30, seed: int = 
 
 
 def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, teach: bool = True,
-                         final_hidden: bool = False) -> tuple[Path, Path]:
+                         final_hidden: bool = False, hidden_dtype: str = "bf16") -> tuple[Path, Path]:
     """(target dir, store dir): stage one run for real (dflash.precompute.run) over counting conversations."""
     tmp = Path(tmp)
     rows = counting_conversations(n)
@@ -64,5 +64,6 @@ def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, t
     from dflash.precompute.run import run_precompute
 
     run_precompute(PrecomputeConfig(target=str(target), data=str(data), out=str(store), shards=1, gpus="cpu",
-                                    max_length=256, topk=topk, target_layers=list(layers), final_hidden=final_hidden))
+                                    max_length=256, topk=topk, target_layers=list(layers), final_hidden=final_hidden,
+                                    hidden_dtype=hidden_dtype))
     return target, store

@@ -243,6 +243,9 @@ class DFlashDrafter(nn.Module):
             raise ValueError(
                 f"context features have width {ctx_hidden.shape[-1]}, the drafter expects "
                 f"{self.config.num_features} target layers x hidden {self.config.hidden_size} = {self.fc.in_features}")
+        if not ctx_hidden.is_floating_point():  # fp8 bits read as numbers would train on garbage, silently
+            raise ValueError(f"context features are {ctx_hidden.dtype}, not floating point: a batch of an fp8 "
+                             "store holds e4m3 bits until MicroBatch.dequantised()")
 
     def _context(self, ctx_hidden: torch.Tensor) -> torch.Tensor:
         # Under autocast the bf16 features go straight into fc; otherwise match the weights' dtype.

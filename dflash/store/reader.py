@@ -28,6 +28,7 @@ from zarr.storage import LocalStore
 from dflash.errors import DamagedSampleError, StoreError
 from dflash.store import layout
 from dflash.store.manifest import read_manifest, require_final_hidden, shard_name
+from dflash.store.rows import dequantise_fp8
 
 
 class ShardData:
@@ -209,9 +210,7 @@ def decode_hidden(bits: np.ndarray, scale: np.ndarray | None) -> torch.Tensor:
     """Stored hidden rows -> bf16 tensor [T, L*H] (fp8 rows are dequantised with their per-layer scale)."""
     if scale is None:
         return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
-    t, num_layers = scale.shape
-    x = torch.from_numpy(np.ascontiguousarray(bits)).view(torch.float8_e4m3fn).float().reshape(t, num_layers, -1)
-    return (x * torch.from_numpy(np.ascontiguousarray(scale))[..., None]).reshape(t, -1).to(torch.bfloat16)
+    return dequantise_fp8(torch.from_numpy(np.ascontiguousarray(bits)), torch.from_numpy(np.ascontiguousarray(scale)))
 
 
 def _damaged(path: Path, problems: list[str]) -> StoreError:
@@ -393,25 +392,39 @@ class Store:
                 out[f] = a.bool() if f == "loss_mask" else a.long() if f.endswith("ids") else a.float()
         return out
 
-    def read_hidden_into(self, sample_id: int, out: torch.Tensor, verify: bool | None = None) -> None:
-        """The first len(out) hidden rows of a sample written into `out` (a contiguous bf16 [T, L*H] view,
-        e.g. of a packed batch).  bf16 stores only: fp8 needs read()'s dequantisation.  Checked against the
-        sample's checksum like read() (the rows past len(out), if any, are read for it too)."""
-        if self.hidden_dtype != "bf16" or out.dtype != torch.bfloat16 or not out.is_contiguous():
-            raise ValueError(f"read_hidden_into needs a bf16 store and a contiguous bf16 tensor (store "
-                             f"{self.hidden_dtype}, tensor {out.dtype}); use read()")
+    def read_hidden_into(self, sample_id: int, out: torch.Tensor, scale_out: torch.Tensor | None = None,
+                         verify: bool | None = None) -> None:
+        """The first len(out) hidden rows of a sample written, as stored, into `out`, a contiguous view (e.g.
+        of a packed batch): bf16 [T, L*H] for a bf16 store; for an fp8 store, the e4m3 bits as uint8
+        [T, L*H] and their scales into `scale_out` (float32 [T, L]), to be dequantised where they are used
+        (rows.dequantise_fp8, on the GPU in training).  Checked against the sample's checksums like read()
+        (rows past len(out), if any, are read for it too)."""
+        fp8 = self.hidden_dtype == "fp8"
+        want = torch.uint8 if fp8 else torch.bfloat16
+        if out.dtype != want or not out.is_contiguous() or (scale_out is None) == fp8 or (
+                fp8 and (scale_out.dtype != torch.float32 or not scale_out.is_contiguous())):
+            raise ValueError(f"read_hidden_into on a {self.hidden_dtype} store needs a contiguous "
+                             f"{'uint8' if fp8 else 'bf16'} tensor"
+                             + (" and a contiguous float32 scale_out" if fp8 else " and no scale_out")
+                             + f" (got {out.dtype}); or use read()")
         i = self._locate(int(sample_id))
-        shard, lo = self.shards[int(self._shard[i])], int(self._offset[i])
         if len(out) > int(self._length[i]):
             raise ValueError(f"sample {sample_id} has {int(self._length[i])} tokens, fewer than {len(out)} asked")
-        bits = out.view(torch.int16).numpy().view(np.uint16)
-        shard.rows_into("hidden", lo, lo + len(out), bits)
-        if self.verify if verify is None else verify:
-            h = xxhash.xxh3_64(memoryview(bits).cast("B"))
-            if len(out) < int(self._length[i]):
-                h.update(memoryview(np.ascontiguousarray(shard.rows("hidden", lo + len(out), lo + int(self._length[i])))).cast("B"))
-            if h.intdigest() != self._checksum("hidden", i):
-                raise self._mismatch(i, "hidden")
+        verify = self.verify if verify is None else verify
+        self._rows_into(i, "hidden", out.view(torch.int16).numpy().view(np.uint16) if not fp8 else out.numpy(), verify)
+        if fp8:
+            self._rows_into(i, "hidden_scale", scale_out[: len(out)].numpy(), verify)
+
+    def _rows_into(self, i: int, name: str, dest: np.ndarray, verify: bool) -> None:
+        """Sample i's first len(dest) rows of array `name` into `dest`, checked against the index's checksum."""
+        shard, lo, n = self.shards[int(self._shard[i])], int(self._offset[i]), int(self._length[i])
+        shard.rows_into(name, lo, lo + len(dest), dest)
+        if verify:
+            h = xxhash.xxh3_64(memoryview(dest).cast("B"))
+            if len(dest) < n:
+                h.update(memoryview(np.ascontiguousarray(shard.rows(name, lo + len(dest), lo + n))).cast("B"))
+            if h.intdigest() != self._checksum(name, i):
+                raise self._mismatch(i, name)
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, samples={len(self)}, shards={len(self.shards)})"

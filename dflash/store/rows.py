@@ -31,6 +31,15 @@ def encode_hidden_tensors(h: torch.Tensor, hidden_dtype: str, num_layers: int) -
     return {"hidden": q.reshape(*lead, -1).view(torch.uint8), "hidden_scale": scale}
 
 
+def dequantise_fp8(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The inverse of the fp8 encoding, on the tensors' device: e4m3 bits (uint8) [..., L*H] and the scale
+    [..., L] -> bf16 [..., L*H].  Computed in fp32 then rounded once, so the same bits give the same bf16
+    values on the CPU (a worker) and on a GPU (the training step)."""
+    lead, num_layers = bits.shape[:-1], scale.shape[-1]
+    x = bits.view(torch.float8_e4m3fn).float().reshape(*lead, num_layers, -1)
+    return (x * scale.float()[..., None]).reshape(*lead, -1).to(torch.bfloat16)
+
+
 def encode_hidden(hidden, hidden_dtype: str, num_layers: int) -> dict[str, np.ndarray]:
     """[T, L*H] float tensor -> stored arrays: bf16 bits, or e4m3 bits + per-token-per-layer scale."""
     h = hidden if isinstance(hidden, torch.Tensor) else torch.as_tensor(np.asarray(hidden))

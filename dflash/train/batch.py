@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dflash.drafter import masks
+from dflash.store.rows import dequantise_fp8
 from dflash.train.loss import IGNORE
 
 
@@ -58,8 +59,13 @@ class MicroBatch:
     index: int
     """Its position in that epoch's plan (-1 when built outside a plan)."""
     ctx_hidden: torch.Tensor | None = None
-    """[R, S, L*H] bf16 (or the store's dtype): the target's context features, zero on padding; None while
-    they wait in batch slot `slot` (dflash.train.batch_slots), which the DeviceFeeder views."""
+    """[R, S, L*H] bf16: the target's context features, zero on padding; from an fp8 store, their e4m3 bits
+    (uint8) until `dequantised()`; None while they wait in batch slot `slot` (dflash.train.batch_slots),
+    which the DeviceFeeder views."""
+    ctx_scale: torch.Tensor | None = None
+    """[R, S, L] float32: the per-token, per-layer scales of fp8 context features (zero on padding), or None
+    when ctx_hidden is bf16.  The bits travel to the device at half the bytes of bf16 and are dequantised
+    there: in the worker, dequantising cost more than reading the store (docs/BENCHMARKS.md)."""
     topk_ids: torch.Tensor | None = None
     """[R, Q, K] int64: the target's top-K token ids at each label's source position (--kd), else None."""
     topk_logprobs: torch.Tensor | None = None
@@ -91,6 +97,13 @@ class MicroBatch:
                 changed[f.name] = {k: fn(t) for k, t in v.items()}
         return dataclasses.replace(self, **changed)
 
+    def dequantised(self) -> MicroBatch:
+        """This batch with bf16 context features, dequantised on the batch's device (a copy when they are
+        fp8 bits; the batch itself when they are bf16 already)."""
+        if self.ctx_scale is None:
+            return self
+        return dataclasses.replace(self, ctx_hidden=dequantise_fp8(self.ctx_hidden, self.ctx_scale), ctx_scale=None)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -113,13 +126,15 @@ class Packer:
 
     A sample is the loader's per-sample dict (loader.PackedDataset._sample): sid, T, hidden (or None),
     anchors and its block stream (input_ids, positions, labels, weights, pos_in_block; topk_* under kd).
-    `ctx_hidden` [R, S, L*H] is written in place (it may be a batch slot)."""
+    `ctx_hidden` [R, S, L*H] is written in place (it may be a batch slot); with `ctx_scale` [R, S, L] it holds
+    fp8 bits and their scales (MicroBatch.ctx_scale)."""
 
     def __init__(self, ctx_hidden: torch.Tensor, Q: int, block_size: int, mask_token_id: int,
-                 sliding_window: int | None = None, topk: int | None = None, final_hidden: int | None = None):
+                 sliding_window: int | None = None, topk: int | None = None, final_hidden: int | None = None,
+                 ctx_scale: torch.Tensor | None = None):
         R, S = ctx_hidden.shape[:2]
         self.R, self.S, self.Q, self.block_size, self.sliding_window = R, S, Q, block_size, sliding_window
-        self.ctx_hidden = ctx_hidden
+        self.ctx_hidden, self.ctx_scale = ctx_hidden, ctx_scale
         self.ctx_positions = torch.zeros(R, S, dtype=torch.long)
         self.block_input_ids = torch.full((R, Q), mask_token_id, dtype=torch.long)
         self.block_positions = torch.zeros(R, Q, dtype=torch.long)
@@ -139,12 +154,13 @@ class Packer:
         self.starts, self.lens, self.block_sample, self.block_anchor = [], [], [], []
 
     def add(self, s: dict, read_hidden: Callable[[torch.Tensor], None] | None = None) -> None:
-        """Append sample `s` to the current row.  Without s["hidden"], `read_hidden(dest)` writes its
-        features into the row; if that raises, the sample is not added (the next one takes its place)."""
+        """Append sample `s` to the current row.  Without s["hidden"], `read_hidden(dest, scale_dest)` writes
+        its features (and, for fp8 bits, their scales; else scale_dest is None) into the row; if that raises,
+        the sample is not added (the next one takes its place)."""
         r, c0, q0 = len(self.metas), self.c0, self.q0
         T, n = s["T"], len(s["labels"])
         if s["hidden"] is None:
-            read_hidden(self.ctx_hidden[r, c0 : c0 + T])
+            read_hidden(self.ctx_hidden[r, c0 : c0 + T], None if self.ctx_scale is None else self.ctx_scale[r, c0 : c0 + T])
         else:
             self.ctx_hidden[r, c0 : c0 + T] = s["hidden"]
         self.ctx_positions[r, c0 : c0 + T] = torch.arange(T)
@@ -168,6 +184,8 @@ class Packer:
     def end_row(self) -> None:
         r = len(self.metas)
         self.ctx_hidden[r, self.c0 :] = 0  # padding: masked out, but a NaN bit pattern would leak through P @ V
+        if self.ctx_scale is not None:  # (and 0 bits x a damaged sample's inf scale would be NaN)
+            self.ctx_scale[r, self.c0 :] = 0
         self.metas.append(masks.mask_metadata(self.starts, self.lens, self.block_sample, self.block_anchor,
                                               self.block_size, self.S, self.Q, sliding_window=self.sliding_window))
         self._open_row()
@@ -177,6 +195,7 @@ class Packer:
             self.end_row()
         return MicroBatch(
             ctx_hidden=self.ctx_hidden,
+            ctx_scale=self.ctx_scale,
             ctx_positions=self.ctx_positions,
             block_input_ids=self.block_input_ids,
             block_positions=self.block_positions,

@@ -23,7 +23,8 @@ class DeviceFeeder:
 
     With `slots` (the loader's dflash.train.batch_slots.BatchSlots), a micro-batch's context features arrive
     as a slot number: they are copied to the device straight from the (pinned) slot, and the slot is
-    released, in micro-batch order, once that copy has finished (on CPU: copied out, released at once)."""
+    released, in micro-batch order, once that copy has finished (on CPU: copied out, released at once).
+    Context features that arrive as fp8 bits are dequantised by `ready`, on the device."""
 
     def __init__(self, batches, device: torch.device, per_step: int, slots=None):
         self.it, self.device, self.per_step = iter(batches), device, per_step
@@ -60,7 +61,7 @@ class DeviceFeeder:
             finally:
                 self.wait_s += time.perf_counter() - t
             if self.slots is not None and b.slot is not None:
-                host = self.slots.view(b.slot, b.ctx_shape, torch.bfloat16)
+                host = self.slots.view(b.slot, b.ctx_shape, torch.bfloat16 if b.ctx_scale is None else torch.uint8)
                 b.ctx_hidden = host if self.stream is not None else host.clone()
                 b.slot = b.ctx_shape = None
             event = None
@@ -107,7 +108,7 @@ class DeviceFeeder:
             main.wait_event(event)
             for t in b.tensors():
                 t.record_stream(main)  # the allocator must not reuse them while the step uses them
-        return b
+        return b.dequantised()  # fp8 bits: on the compute stream, once their copy is done
 
 
 __all__ = ["DeviceFeeder"]

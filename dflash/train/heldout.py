@@ -104,7 +104,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                 rows = [r for r in rows if len(r)]
                 if not rows:
                     break
-            b = ds.build(0, rows).to(device)
+            b = ds.build(0, rows).to(device).dequantised()
             n_samples += b.num_samples
             mask = attention.mask_for(b.mask, device)
             with autocast:

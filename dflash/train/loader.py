@@ -135,9 +135,9 @@ class PackedDataset(torch.utils.data.Dataset):
     def _sample(self, idx: int, epoch: int) -> dict:
         spec = self.spec
         sid = int(self.sample_ids[idx])
-        # bf16 hidden states are read later, by build(), straight into the packed batch (see
-        # Store.read_hidden_into); other stores (fp8) are read and dequantised here.
-        direct = getattr(self.store, "hidden_dtype", None) == "bf16" and hasattr(self.store, "read_hidden_into")
+        # Hidden states are read later, by build(), straight into the packed batch as stored (bf16, or fp8
+        # bits and scales: Store.read_hidden_into); a store without that (tests' array stores) gives them here.
+        direct = self._direct()
         fields = ["input_ids", "loss_mask"] + ([] if direct else ["hidden"])
         fields += ["topk_ids", "topk_logprobs"] if spec.kd or spec.target_labels else []
         fields += ["final_hidden"] if spec.final_hidden else []
@@ -158,6 +158,9 @@ class PackedDataset(torch.utils.data.Dataset):
             out["final_hidden"] = d["final_hidden"][:T][torch.from_numpy(np.maximum(blocks["source"], 0))]
         return out
 
+    def _direct(self) -> bool:
+        return getattr(self.store, "hidden_dtype", None) in ("bf16", "fp8") and hasattr(self.store, "read_hidden_into")
+
     def build(self, epoch: int, rows: list[np.ndarray], g: int = -1, seq: int | None = None) -> MicroBatch:
         read = [[self._sample_or_skip(int(i), epoch) for i in row] for row in rows]
         damaged = sum(s is None for row in read for s in row)
@@ -165,17 +168,18 @@ class PackedDataset(torch.utils.data.Dataset):
         S, Q, LH, hidden_dtype, K = self._shape(samples)
         shape = (self.spec.rows_per_batch, S, LH)
         slot = None
-        if (seq is not None and self.slots is not None and hidden_dtype == torch.bfloat16
+        if (seq is not None and self.slots is not None and hidden_dtype in (torch.bfloat16, torch.uint8)
                 and self.slots.fits(shape, hidden_dtype)):
             slot = self.slots.acquire(seq)
         ctx = self.slots.view(slot, shape, hidden_dtype) if slot is not None else _batch_tensor(shape, hidden_dtype)
+        scale = torch.zeros(*shape[:2], self.store.num_layers) if hidden_dtype == torch.uint8 else None
         final = self.store.hidden_size if self.spec.final_hidden else None
-        packer = Packer(ctx, Q, self.spec.block_size, self.spec.mask_token_id,
-                        sliding_window=self.spec.sliding_window, topk=K if self.spec.kd else None, final_hidden=final)
+        packer = Packer(ctx, Q, self.spec.block_size, self.spec.mask_token_id, sliding_window=self.spec.sliding_window,
+                        topk=K if self.spec.kd else None, final_hidden=final, ctx_scale=scale)
         for row in samples:
             for s in row:
                 try:
-                    packer.add(s, read_hidden=lambda dest, sid=s["sid"]: self.store.read_hidden_into(sid, dest))
+                    packer.add(s, read_hidden=lambda dest, sc, sid=s["sid"]: self.store.read_hidden_into(sid, dest, sc))
                 except DamagedSampleError as e:
                     self._skip(e)
                     damaged += 1
@@ -195,7 +199,8 @@ class PackedDataset(torch.utils.data.Dataset):
                       spec.q_shapes)
         first = next((row[0]["hidden"] for row in samples if row), None)
         LH = first.shape[-1] if first is not None else self.store.hidden_size * self.store.num_layers
-        hidden_dtype = first.dtype if first is not None else torch.bfloat16
+        fp8_bits = first is None and self._direct() and self.store.hidden_dtype == "fp8"
+        hidden_dtype = first.dtype if first is not None else torch.uint8 if fp8_bits else torch.bfloat16
         K = next((row[0]["topk_ids"].shape[-1] for row in samples if row), 0) if spec.kd else 0
         return S, Q, LH, hidden_dtype, K
 

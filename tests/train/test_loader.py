@@ -427,41 +427,59 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_read_hidden_into_across_objects_and_tail(tmp_path):
-    """Store.read_hidden_into over Zarr objects and the committed tail of a shard still being written."""
+@pytest.mark.parametrize("hidden_dtype", ["bf16", "fp8"])
+def test_read_hidden_into_across_objects_and_tail(tmp_path, hidden_dtype):
+    """Store.read_hidden_into over Zarr objects and the committed tail of a shard still being written: bf16
+    rows as stored; fp8 bits and scales as stored, which dequantise to exactly what Store.read gives."""
     from dflash.store import ShardWriter, create_or_check_manifest, open_store
+    from dflash.store.rows import dequantise_fp8
 
     H, Ly = 16, 2
+    fp8 = hidden_dtype == "fp8"
     root = tmp_path / "s"
     create_or_check_manifest(root, {
         "target": {"path": "/t", "config_hash": "abc", "hidden_size": H, "num_hidden_layers": 4, "vocab_size": 100},
-        "tokenizer_hash": "tok", "dataset_fingerprint": "d", "target_layer_ids": [1, 2], "hidden_dtype": "bf16",
+        "tokenizer_hash": "tok", "dataset_fingerprint": "d", "target_layer_ids": [1, 2], "hidden_dtype": hidden_dtype,
         "topk": 0, "max_length": 64, "num_shards": 1})
     g = torch.Generator().manual_seed(0)
     hid = {}
-    with ShardWriter(root, 0, hidden_width=H * Ly, num_layers=Ly, topk=0, commit_every_tokens=40, chunk_tokens=8,
-                     chunks_per_object=4, flush_tokens=32, durable=False) as w:
+    with ShardWriter(root, 0, hidden_width=H * Ly, num_layers=Ly, hidden_dtype=hidden_dtype, topk=0,
+                     commit_every_tokens=40, chunk_tokens=8, chunks_per_object=4, flush_tokens=32, durable=False) as w:
         for sid in range(12):
             t = 3 + (sid * 7) % 17
-            hid[sid] = torch.randn(t, H * Ly, generator=g).bfloat16()
+            hid[sid] = (torch.randn(t, H * Ly, generator=g) * (1 + sid)).bfloat16()
             w.append(sid, sid, torch.randint(0, 100, (t,), generator=g), torch.ones(t, dtype=torch.uint8), hid[sid])
         w.commit()
         s = open_store(root)
         assert s.shards[0].zarr_end < s.shards[0].end  # part of it sits in the tail file
         for sid in range(12):
-            out = torch.full((len(hid[sid]) - 1, H * Ly), 7.0, dtype=torch.bfloat16)
-            s.read_hidden_into(sid, out)
-            assert torch.equal(out, hid[sid][:-1]), sid
-        with pytest.raises(ValueError, match="contiguous bf16"):
-            s.read_hidden_into(0, torch.zeros(2, H * Ly))
+            want = s.read(sid)["hidden"][:-1]
+            n = len(hid[sid]) - 1
+            if fp8:
+                bits, scale = torch.full((n, H * Ly), 7, dtype=torch.uint8), torch.full((n, Ly), 7.0)
+                s.read_hidden_into(sid, bits, scale)
+                assert torch.equal(dequantise_fp8(bits, scale), want), sid
+                assert not torch.equal(want, hid[sid][:-1])  # e4m3 is lossy: the check above is not bf16's
+            else:
+                out = torch.full((n, H * Ly), 7.0, dtype=torch.bfloat16)
+                s.read_hidden_into(sid, out)
+                assert torch.equal(out, hid[sid][:-1]) and torch.equal(out, want), sid
+        with pytest.raises(ValueError, match="contiguous uint8" if fp8 else "contiguous bf16"):
+            s.read_hidden_into(0, torch.zeros(2, H * Ly, dtype=torch.bfloat16 if fp8 else torch.float32))
+        if fp8:
+            with pytest.raises(ValueError, match="scale_out"):
+                s.read_hidden_into(0, torch.zeros(2, H * Ly, dtype=torch.uint8))
 
 
-def test_device_feeder_groups_steps_in_order():
+def test_device_feeder_groups_steps_in_order(store):
     """DeviceFeeder hands out one optimizer step's micro-batches at a time, in order, the last step
     possibly short, then StopIteration; prefetch() is idempotent and the DataLoader wait is counted."""
+    import dataclasses
+
     from dflash.train.feeder import DeviceFeeder
 
-    batches = [{"i": i, "x": torch.full((2,), float(i))} for i in range(7)]
+    one = L.PackedDataset(store, _spec(token_budget=256, block_budget=128, num_anchors=4))[(0, 0)]
+    batches = [dataclasses.replace(one, index=i) for i in range(7)]
     feeder = DeviceFeeder(iter(batches), torch.device("cpu"), per_step=3)
     got = []
     while True:
@@ -471,7 +489,7 @@ def test_device_feeder_groups_steps_in_order():
             break
         feeder.prefetch()
         feeder.prefetch()  # a second call must not skip a step
-        got.append([feeder.ready(it)["i"] for it in items])
+        got.append([feeder.ready(it).index for it in items])
     assert got == [[0, 1, 2], [3, 4, 5], [6]]
     assert feeder.wait_s >= 0.0
     with pytest.raises(StopIteration):
