@@ -19,7 +19,7 @@ import numpy as np
 from dflash.errors import StoreError
 from dflash.store import layout
 from dflash.store.manifest import read_manifest, shard_name
-from dflash.store.reader import MAX_LISTED, ShardData, extra_shard_dirs, shard_problems
+from dflash.store.shard_data import MAX_LISTED, ShardData, extra_shard_dirs, shard_problems
 
 BLOCK_BYTES = 256 * 2**20  # data read per block while checksumming
 
