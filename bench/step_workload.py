@@ -152,13 +152,13 @@ def step_flops(c: DrafterConfig, R: int, S: int, Q: int, n_labels: int, tiles: i
 
 def dflash2_flops(c, R: int, Q: int, n_labels: int) -> dict:
     """A DFlash2 drafter's extra FLOPs (none for DFlash): its convolutions' kernel projections (trained like
-    the layers: 3x), the selector's head pre-pass (a forward of the frozen lm_head for the top-K) and the
-    selector itself (hidden projection and K scores per label; fwd + weight gradient, its inputs detached)."""
+    the layers: 3x) and the selector (hidden projection and K scores per label; fwd + weight gradient, its
+    inputs detached).  Its top-K candidates come from the loss's own lm_head pass: no extra matmul."""
     if not hasattr(c, "selector_rank"):
         return {}
     taps, G, r, K, H = c.conv_kernel_size, c.hidden_size // c.conv_group_size, c.selector_rank, c.selector_top_k, c.hidden_size
     conv = c.num_hidden_layers * 2 * 2 * R * Q * H * (2 * taps * G)
-    return {"dflash2_conv_train": 3 * conv, "dflash2_head_prepass": 2 * n_labels * H * c.vocab_size,
+    return {"dflash2_conv_train": 3 * conv,
             "dflash2_selector_train": 2 * (2 * n_labels * H * r + 2 * n_labels * K * r)}
 
 
@@ -173,6 +173,5 @@ FLOP_FORMULAS = {
     "total_strict": "total minus one fc forward (fc needs no input gradient)",
     "mfu": "total / step time / 989e12",
     "dflash2_conv_train": "--arch dflash2: 3 * layers * 2 convs * 2*R*Q*H*(2*taps*H/conv_group_size) (kernel_projection)",
-    "dflash2_head_prepass": "--arch dflash2: 2*n_labels*H*V (the top-K candidates: one more lm_head forward)",
     "dflash2_selector_train": "--arch dflash2: 2 * (2*n_labels*H*rank + 2*n_labels*top_k*rank) (fwd + weight grad)",
 }

@@ -1,10 +1,13 @@
 """The drafter's loss: frozen lm_head + decayed cross-entropy (+ optional KD), chunked over positions.
 
 A block stream of 4096 queries against a 152k vocabulary is 2.5 GB of fp32 logits, twice over for the
-softmax.  `_ChunkedHeadLoss` never holds more than `chunk` rows of logits: the forward pass computes,
-chunk by chunk, the loss *and* the gradient with respect to the drafter's output (the lm_head is frozen,
-so that is the only gradient needed) and keeps only the latter, `[N, H]`, for backward.  The loss is a
-sum of per-position terms, so backward just scales the stored gradient by the incoming scalar.
+softmax.  `head_pass` never holds more than `chunk` rows of logits: chunk by chunk, it computes each
+labelled row's cross-entropy (and KD term), its greedy prediction, the top-K candidates a DFlash2 selector
+needs, and the gradient of the row's terms with respect to the drafter's output (the lm_head is frozen, so
+that is the only gradient needed), and keeps only the last, `[N, H]`, for backward.  The loss is a
+weighted sum of per-row terms, so the weights can be chosen after the pass (D-PACE's come from the rows'
+own cross-entropy) and backward scales each stored row gradient by its weight and the incoming scalar:
+one lm_head pass a step whatever the objective.
 
 Semantics (docs/DESIGN.md §3): block position k (1..B-1) predicts the token at anchor + k with weight
 exp(-(k-1)/gamma); the loss is the weighted mean over valid labels, normalised by a denominator the
@@ -16,6 +19,7 @@ that support, scaled by T^2 as usual for distillation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,11 +55,25 @@ class LossOutput:
     num_blocks: torch.Tensor  # blocks with a label at position 1 (every real block)
     tv_sum: torch.Tensor | None = None  # --arch dspark (dflash.train.dspark_loss): sum of w * sum|q - p|
     conf_sum: torch.Tensor | None = None  # --arch dspark: sum of w * the confidence head's BCE
+    row_weight: torch.Tensor | None = None  # [N] the weight of each labelled row (label_index order)
+    head: HeadPass | None = None  # the lm_head pass (its top-K candidates feed a DFlash2 selector)
+
+
+@dataclass
+class HeadPass:
+    """One chunked pass of the frozen lm_head over the N labelled rows, before any weighting."""
+
+    ce: torch.Tensor  # [N] fp32 cross-entropy of each row
+    kd: torch.Tensor | None  # [N] fp32 T^2 KL(p_target || q) on the stored top-k (KD on), else None
+    preds: torch.Tensor  # [N] int64 greedy predictions
+    grad: torch.Tensor  # [N, H] d (ce + kd_weight * kd) / d hidden of each row, in hidden's dtype
+    top_ids: torch.Tensor | None  # [N, K] int64: the K best candidates, best first (top_k > 0)
+    top_logits: torch.Tensor | None  # [N, K] their logits, in the head's dtype (as the engines take them)
 
 
 def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
-    """One chunk of positions: (sum w*ce, sum w*kd, greedy predictions, d loss / d logits in the
-    logits' dtype).  Written as plain tensor code so that torch.compile can fuse it into a couple of
+    """One chunk of positions: (ce [c], kd [c] (zeros when KD is off), greedy predictions, d loss / d logits
+    in the logits' dtype, each row's scaled by its weight).  Written as plain tensor code so that torch.compile can fuse it into a couple of
     passes over the [c, V] logits (eager, it makes ~10 fp32 passes: the biggest non-matmul cost of a
     step at a 152k vocabulary).  topk_p is the target's renormalised top-k distribution, or None."""
     x = logits.float()
@@ -63,20 +81,18 @@ def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, tem
     preds = x.argmax(dim=-1)
     w = weights[:, None]
     ce = lse.squeeze(1) - x.gather(1, labels[:, None]).squeeze(1)
-    ce_sum = (weights * ce).sum()
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
     g = (torch.exp(x - lse) - onehot.float()) * w  # d ce / d logits = softmax - onehot
-    kd_sum = ce_sum.new_zeros(())
+    kd = torch.zeros_like(ce)
     if topk_p is not None:
         T = temperature
         lse_t = torch.logsumexp(x / T, dim=-1, keepdim=True)
         logq = x.gather(1, topk_ids) / T - lse_t
         kd = (topk_p * (torch.log(topk_p.clamp_min(1e-30)) - logq)).sum(-1) * (T * T)
-        kd_sum = (weights * kd).sum()
         # d (T^2 KL) / d logits = T * (softmax(logits / T) - p scattered onto the vocabulary)
         scale = w * (kd_weight * T)
         g = (g + torch.exp(x / T - lse_t) * scale).scatter_add(1, topk_ids, -topk_p * scale)
-    return ce_sum, kd_sum, preds, g.to(logits.dtype)
+    return ce, kd, preds, g.to(logits.dtype)
 
 
 def chunk_terms_eager(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
@@ -85,20 +101,19 @@ def chunk_terms_eager(logits, labels, weights, topk_ids, topk_p, kd_weight: floa
     x = logits.float()
     preds = x.argmax(dim=-1)
     logp = torch.log_softmax(x, dim=-1)
-    ce_sum = (weights * -logp.gather(1, labels[:, None]).squeeze(1)).sum()
+    ce = -logp.gather(1, labels[:, None]).squeeze(1)
     g = logp.exp_()  # softmax; d ce / d logits = softmax - onehot
     g[torch.arange(g.shape[0], device=g.device), labels] -= 1.0
     g *= weights[:, None]
-    kd_sum = ce_sum.new_zeros(())
+    kd = torch.zeros_like(ce)
     if topk_p is not None:
         T = temperature
         logq = torch.log_softmax(x / T, dim=-1)
         kd = (topk_p * (torch.log(topk_p.clamp_min(1e-30)) - logq.gather(1, topk_ids))).sum(-1) * (T * T)
-        kd_sum = (weights * kd).sum()
         gk = logq.exp_()
         gk.scatter_add_(1, topk_ids, -topk_p)
         g += gk * (kd_weight * T) * weights[:, None]
-    return ce_sum, kd_sum, preds, g.to(logits.dtype)
+    return ce, kd, preds, g.to(logits.dtype)
 
 
 # How a chunk's softmax, argmax and gradient are computed: the same values three ways.
@@ -127,8 +142,8 @@ def _triton_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, t
     """chunk_terms (KD off) by dflash.train.loss_kernel's one-pass-and-a-half kernel; g overwrites the logits."""
     from dflash.train.loss_kernel import fused_ce_terms
 
-    ce_sum, preds, g = fused_ce_terms(logits, labels, weights)
-    return ce_sum, ce_sum.new_zeros(()), preds, g
+    ce, preds, g = fused_ce_terms(logits, labels, weights)
+    return ce, torch.zeros_like(ce), preds, g
 
 
 def triton_runs(use_kd: bool, device: torch.device) -> bool:
@@ -166,42 +181,54 @@ def loss_kernel_note(kernel: str, use_kd: bool, device: torch.device) -> str:
     return f"torch (--loss-kernel triton falls back: {why})"
 
 
-class _ChunkedHeadLoss(torch.autograd.Function):
-    """sum_i w_i * (ce_i + kd_weight * kd_i) over rows of `hidden`, lm_head applied chunk by chunk."""
+@torch.no_grad()
+def head_pass(h, head, y, *, topk_ids=None, topk_p=None, kd_weight: float = 0.0, temperature: float = 1.0,
+              chunk: int = 2048, kernel: str = "eager", top_k: int = 0) -> HeadPass:
+    """The lm_head over labelled rows h [N, H] with labels y [N], `chunk` rows at a time (see HeadPass).
+    KD is on when kd_weight > 0 and topk_p (the target's renormalised top-k distribution) is given; top_k > 0
+    also keeps the K best candidates, taken before a kernel overwrites the logits with their gradient."""
+    n = h.shape[0]
+    grad = torch.empty_like(h)
+    ce = torch.empty(n, dtype=torch.float32, device=h.device)
+    kd = torch.empty(n, dtype=torch.float32, device=h.device) if topk_p is not None else None
+    preds = torch.empty(n, dtype=torch.long, device=h.device)
+    top_ids = torch.empty(n, top_k, dtype=torch.long, device=h.device) if top_k else None
+    top_logits = torch.empty(n, top_k, dtype=head.dtype, device=h.device) if top_k else None
+    ones = torch.ones(min(n, chunk), dtype=torch.float32, device=h.device)  # rows are weighted after the pass
+    terms = _terms_fn(kernel)
+    for i in range(0, n, chunk):
+        j = min(n, i + chunk)
+        logits = h[i:j].to(head.dtype) @ head.t()  # [c, V]; the only full-vocabulary tensor alive
+        if top_k:
+            top_logits[i:j], top_ids[i:j] = torch.topk(logits, top_k, dim=-1)
+        y_c, w_c = y[i:j], ones[: j - i]
+        ids = p = None
+        if kd is not None:
+            ids, p = topk_ids[i:j], topk_p[i:j]
+        if kernel == "compiled":
+            for t in (logits, y_c, w_c) + ((ids, p) if kd is not None else ()):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        ce[i:j], kd_c, preds[i:j], g = terms(logits, y_c, w_c, ids, p, float(kd_weight), float(temperature))
+        if kd is not None:
+            kd[i:j] = kd_c
+        grad[i:j] = (g @ head).to(h.dtype)
+    return HeadPass(ce, kd, preds, grad, top_ids, top_logits)
+
+
+class _WeightedRows(torch.autograd.Function):
+    """sum_i w_i * t_i over rows of `hidden`, where the terms t_i and their gradients with respect to each
+    row were computed ahead (head_pass): backward scales each row's gradient by its weight w_i (chosen after
+    the pass, detached) and the incoming scalar."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, topk_ids, topk_logprobs, kd_weight, temperature, chunk, kernel):
-        n = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden)
-        ce_sum = hidden.new_zeros((), dtype=torch.float32)
-        kd_sum = hidden.new_zeros((), dtype=torch.float32)
-        preds = torch.empty(n, dtype=torch.long, device=hidden.device)
-        use_kd = kd_weight > 0 and topk_ids is not None
-        terms = _terms_fn(kernel)
-        for i in range(0, n, chunk):
-            h = hidden[i : i + chunk].to(head.dtype)
-            logits = h @ head.t()  # [c, V]; the only full-vocabulary tensor alive
-            y, w = labels[i : i + chunk], weights[i : i + chunk].float()
-            ids = p = None
-            if use_kd:
-                ids = topk_ids[i : i + chunk]
-                p = torch.softmax(topk_logprobs[i : i + chunk].float() / float(temperature), dim=-1)
-            if kernel == "compiled":
-                for t in (logits, y, w) + ((ids, p) if use_kd else ()):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            c_sum, k_sum, preds[i : i + chunk], g = terms(logits, y, w, ids, p, float(kd_weight), float(temperature))
-            ce_sum += c_sum
-            kd_sum += k_sum
-            grad_hidden[i : i + chunk] = (g @ head).to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(ce_sum, kd_sum, preds)
-        total = ce_sum + (kd_weight * kd_sum if use_kd else 0.0)
-        return total, ce_sum, kd_sum, preds
+    def forward(ctx, hidden, terms, row_grad, w):
+        ctx.save_for_backward(row_grad, w)
+        return (w * terms).sum()
 
     @staticmethod
-    def backward(ctx, grad_total, _g_ce, _g_kd, _g_preds):
-        (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_total.to(grad_hidden.dtype),) + (None,) * 9
+    def backward(ctx, grad_total):
+        row_grad, w = ctx.saved_tensors
+        return (row_grad * (w * grad_total)[:, None]).to(row_grad.dtype), None, None, None
 
 
 def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
@@ -252,6 +279,8 @@ def block_loss(
     chunk: int = 2048,
     label_index: torch.Tensor | None = None,
     kernel: str = "eager",
+    reweight: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    top_k: int = 0,
 ) -> LossOutput:
     """Loss and metrics of one micro-batch.
 
@@ -260,41 +289,49 @@ def block_loss(
     aligned with the labels.  `denom` normalises the loss (see the module docstring).  `label_index`
     (the flat positions whose label is not IGNORE, made on the CPU by the loader) saves the step a
     device-to-host sync.  `kernel` (KERNELS) computes each chunk's softmax / gradient; "triton" needs
-    what `triton_runs` says (chunk_kernel picks a run's).
+    what `triton_runs` says (chunk_kernel picks a run's).  `reweight`, given each labelled row's
+    cross-entropy [N] from the pass, returns the rows' weights instead of loss_weight's (D-PACE); `top_k`
+    keeps each row's K best candidates in the output's `head` (a DFlash2 selector's).
     """
     R, Q, H = hidden.shape
     flat_labels = labels.reshape(-1)
     sel = label_index if label_index is not None else (flat_labels != IGNORE).nonzero().squeeze(1)
     h = hidden.reshape(-1, H).index_select(0, sel)
     y = flat_labels.index_select(0, sel)
-    w = loss_weight.reshape(-1).index_select(0, sel).float()
     kd_on = kd_weight > 0
     if kd_on and topk_ids is None:
         raise ValueError("kd_weight > 0 needs topk_ids and topk_logprobs")
-    tid = topk_ids.reshape(-1, topk_ids.shape[-1]).index_select(0, sel) if kd_on else None
-    tlp = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).index_select(0, sel) if kd_on else None
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if kernel == "triton" and not triton_runs(kd_on, hidden.device):
         raise ValueError("the Triton loss kernel needs KD off and a CUDA device (or TRITON_INTERPRET=1); "
                          "chunk_kernel picks the kernel that runs")
+    tid = p = None
+    if kd_on:
+        tid = topk_ids.reshape(-1, topk_ids.shape[-1]).index_select(0, sel)
+        lp = topk_logprobs.reshape(-1, topk_logprobs.shape[-1]).index_select(0, sel)
+        p = torch.softmax(lp.float() / float(kd_temperature), dim=-1)
     # The head runs in its own dtype (bf16 on GPU) with fp32 softmax; autocast would only get in the way.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        total, ce_sum, kd_sum, preds = _ChunkedHeadLoss.apply(
-            h, lm_head, y, w, tid, tlp, float(kd_weight), float(kd_temperature), int(chunk), kernel
-        )
+        hp = head_pass(h.detach(), lm_head, y, topk_ids=tid, topk_p=p, kd_weight=float(kd_weight),
+                       temperature=float(kd_temperature), chunk=int(chunk), kernel=kernel, top_k=int(top_k))
+        w = (reweight(hp.ce) if reweight is not None else loss_weight.reshape(-1).index_select(0, sel)).float().detach()
+        terms = hp.ce + float(kd_weight) * hp.kd if kd_on else hp.ce
+        total = _WeightedRows.apply(h, terms, hp.grad, w)
     full_preds = torch.full((R * Q,), -1, dtype=torch.long, device=hidden.device)
-    full_preds[sel] = preds
+    full_preds[sel] = hp.preds
     correct, valid, tau_sum, num_blocks = block_stats(full_preds.view(R, Q), labels, block_size)
     return LossOutput(
         loss=total / (denom.to(total.dtype) if isinstance(denom, torch.Tensor) else denom),
-        ce_sum=ce_sum,
-        kd_sum=kd_sum,
+        ce_sum=(w * hp.ce).sum(),
+        kd_sum=(w * hp.kd).sum() if kd_on else w.new_zeros(()),
         weight_sum=w.sum(),
         correct=correct,
         valid=valid,
         tau_sum=tau_sum,
         num_blocks=num_blocks,
+        row_weight=w,
+        head=hp,
     )
 
 
@@ -316,5 +353,6 @@ def reference_block_loss(hidden, lm_head, labels, loss_weight, denom, topk_ids=N
     return total / denom
 
 
-__all__ = ["IGNORE", "KERNELS", "chunk_kernel", "chunk_terms", "triton_runs", "chunk_terms_eager", "default_gamma", "position_weights", "LossOutput", "block_loss", "block_stats", "block_acceptance",
+__all__ = ["IGNORE", "KERNELS", "chunk_kernel", "chunk_terms", "triton_runs", "chunk_terms_eager", "default_gamma",
+           "position_weights", "HeadPass", "LossOutput", "block_loss", "block_stats", "block_acceptance", "head_pass",
            "loss_kernel_note", "reference_block_loss"]

@@ -95,8 +95,7 @@ def _kernel():
 
 def fused_ce_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, *,
                    block: int | None = None, num_warps: int | None = None):
-    """(sum w*ce as an fp32 scalar tensor, preds int64 [c], g) for logits [c, V] (any float dtype,
-    last dim contiguous).  g IS `logits`, overwritten with (softmax - onehot) * w: the caller must not
+    """(ce fp32 [c], preds int64 [c], g) for logits [c, V] (any float dtype, last dim contiguous).  g IS `logits`, overwritten with (softmax - onehot) * w: the caller must not
     need the logits afterwards."""
     if triton is None:
         raise RuntimeError("fused_ce_terms needs triton")
@@ -110,7 +109,7 @@ def fused_ce_terms(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Te
     if c:
         _kernel()[(c,)](logits, logits.stride(0), labels, weights, ce, preds, V,
                         BLOCK=block or BLOCK, num_warps=num_warps or NUM_WARPS)
-    return (weights * ce).sum(), preds, logits
+    return ce, preds, logits
 
 
 __all__ = ["BLOCK", "NUM_WARPS", "available", "fused_ce_terms", "interpret_mode"]

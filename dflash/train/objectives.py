@@ -12,8 +12,9 @@
   the candidates; positions whose label is not among them (or whose predecessor is unlabelled) weigh 0.
   The backbone's hidden states and logits enter detached: the term trains the selector only.
 
-Both need the lm_head logits before the main loss runs, so `head_prepass` computes them once more, chunk
-by chunk, without gradient: the per-token cross-entropy and the top-K.
+In training both come from the loss's own lm_head pass (dflash.train.loss.block_loss: `reweight` turns the
+rows' cross-entropy into D-PACE weights, `top_k` keeps the candidates), so a step runs the head once.
+Evaluation, which has no loss, gets the top-K from `head_prepass`.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ def head_prepass(hidden, lm_head, labels, sel, chunk: int = 2048, selector_of=No
     return Prepass(out, unary, ids)
 
 
-def dpace_loss_weight(pre: Prepass, labels, loss_weight, sel, block_size: int, alpha: float) -> torch.Tensor:
-    """[R, Q] D-PACE weights in the layout of the loader's `loss_weight`, with the same sum."""
+def dpace_loss_weight(ce_rows: torch.Tensor, labels, loss_weight, sel, block_size: int, alpha: float) -> torch.Tensor:
+    """[R, Q] D-PACE weights in the layout of the loader's `loss_weight`, with the same sum, from the
+    cross-entropy ce_rows [N] of the labelled positions `sel` (in that order)."""
     R, Q = labels.shape
     B, nb = block_size, Q // block_size
     ce = torch.zeros(R * Q, dtype=torch.float32, device=labels.device)
-    ce[sel] = pre.ce
+    ce[sel] = ce_rows.float()
     ce = ce.view(R, Q)[:, : nb * B].reshape(R * nb, B)
     valid = (labels[:, : nb * B] != IGNORE).reshape(R * nb, B)
     w = torch.zeros(R, Q, dtype=torch.float32, device=labels.device)
@@ -128,15 +130,17 @@ def selector_ce(selector, hidden_sel, pre: Prepass, y, prev, w):
     return (ce * w.float() * learn).sum(), preds, learn
 
 
-def add_selector_term(out, drafter, hidden, pre: Prepass, labels, block_input_ids, loss_weight, sel, *,
-                      block_size: int, denom, weight: float = 1.0):
-    """`out` (block_loss's LossOutput) with the selector's term added to the loss (normalised by the same
-    `denom`) and its acceptance statistics measured on the selector's proposals, as served."""
+def add_selector_term(out, drafter, hidden, labels, block_input_ids, sel, *, block_size: int, denom,
+                      weight: float = 1.0):
+    """`out` (block_loss's LossOutput, run with top_k = the selector's K) with the selector's term added to the
+    loss (the rows weighted as in `out`, normalised by the same `denom`) and its acceptance statistics
+    measured on the selector's proposals, as served."""
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
     y = labels.reshape(-1).index_select(0, sel)
     prev = previous_tokens(labels, block_input_ids, block_size).reshape(-1).index_select(0, sel)
-    w = loss_weight.reshape(-1).index_select(0, sel)
-    sel_sum, preds, _ = selector_ce(drafter.candidate_selector, h, pre, y, prev, w)
+    with torch.no_grad():
+        pre = Prepass(None, drafter.unary(out.head.top_logits), out.head.top_ids)
+    sel_sum, preds, _ = selector_ce(drafter.candidate_selector, h, pre, y, prev, out.row_weight)
     d = denom.to(sel_sum.dtype) if isinstance(denom, torch.Tensor) else denom
     full = torch.full((labels.numel(),), -1, dtype=torch.long, device=labels.device)
     full[sel] = preds

@@ -238,20 +238,18 @@ class TrainStep:
         if self.raw.dspark_heads:
             return self.dspark_loss(m, hidden, denom)
         dflash2 = self.raw.selects_candidates
-        pre = sel = None
-        if cfg.objective.loss == "dpace" or dflash2:
-            sel = obj.labelled(labels, m.label_index)
-            pre = obj.head_prepass(hidden, self.head, labels, sel, cfg.objective.lm_head_chunk, self.raw if dflash2 else None,
-                                   ce=cfg.objective.loss == "dpace")
-        if cfg.objective.loss == "dpace":
-            weight = obj.dpace_loss_weight(pre, labels, weight, sel, cfg.drafter.block_size, cfg.objective.dpace_alpha)
-        out = block_loss(hidden, self.head, labels, weight, block_size=cfg.drafter.block_size, denom=denom,
+        sel = obj.labelled(labels, m.label_index)
+        B, alpha = cfg.drafter.block_size, cfg.objective.dpace_alpha
+        reweight = ((lambda ce: obj.dpace_loss_weight(ce, labels, weight, sel, B, alpha).reshape(-1).index_select(0, sel))
+                    if cfg.objective.loss == "dpace" else None)
+        out = block_loss(hidden, self.head, labels, weight, block_size=B, denom=denom,
                          topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, kd_weight=cfg.objective.kd_weight,
                          kd_temperature=cfg.objective.kd_temperature, chunk=cfg.objective.lm_head_chunk,
-                         label_index=m.label_index, kernel=self.loss_kernel)
+                         label_index=sel, kernel=self.loss_kernel, reweight=reweight,
+                         top_k=self.raw.config.selector_top_k if dflash2 else 0)
         if dflash2:
-            out = obj.add_selector_term(out, self.raw, hidden, pre, labels, m.block_input_ids, weight, sel,
-                                        block_size=cfg.drafter.block_size, denom=denom, weight=cfg.dflash2.selector_loss_weight)
+            out = obj.add_selector_term(out, self.raw, hidden, labels, m.block_input_ids, sel, block_size=B,
+                                        denom=denom, weight=cfg.dflash2.selector_loss_weight)
         return out
 
     def dspark_loss(self, m: MicroBatch, hidden: torch.Tensor, denom):

@@ -46,7 +46,7 @@ def test_dpace_loss_weight_keeps_the_layout_and_the_decay_sum():
     decay = torch.tensor([[0.0, 1.0, 0.7, 0.5, 0.0, 1.0, 0.7, 0.0]])
     sel = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
     ce = torch.tensor([0.1, 2.0, 0.3, 0.2, 0.4])  # in label order
-    w = dpace_loss_weight(Prepass(ce, None, None), labels, decay, sel, B, alpha=0.5)
+    w = dpace_loss_weight(ce, labels, decay, sel, B, alpha=0.5)
     assert torch.allclose(w.sum(), decay.sum())
     assert (w[labels == IGNORE] == 0).all() and (w[labels != IGNORE] > 0).all()
     raw = dpace_weights(torch.tensor([[0, 0.1, 2.0, 0.3], [0, 0.2, 0.4, 0]]),
@@ -118,3 +118,79 @@ def test_dflash2_dpace_run_and_resume_with_another_arch_is_refused(tmp_path):
         launch_train(TrainConfig(**dict(base, arch="dflash", steps=4, resume=True)))
     with pytest.raises(ConfigError, match="selector_rank"):
         launch_train(TrainConfig(**dict(base, selector_rank=16, steps=4, resume=True)))
+
+
+def _blocks_batch(R=2, B=4, nb=5, H=16, V=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Q = nb * B
+    hidden = torch.randn(R, Q, H, generator=g)
+    head = torch.randn(V, H, generator=g) * 0.5
+    labels = torch.randint(0, V, (R, Q), generator=g)
+    k = torch.arange(Q) % B
+    labels[:, k == 0] = IGNORE
+    labels[1, 13:] = IGNORE  # a block cut short, then padding
+    decay = torch.exp(-(k.float() - 1) / 2).expand(R, Q) * (labels != IGNORE)
+    block_in = torch.where(k == 0, torch.randint(0, V, (R, Q), generator=g), torch.full((R, Q), V - 1))
+    tid = torch.randint(0, V, (R, Q, 3), generator=g)
+    tlp = torch.log_softmax(torch.randn(R, Q, 3, generator=g), -1)
+    return hidden, head, labels, decay, block_in, tid, tlp, B
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+def test_one_head_pass_gives_the_dpace_loss_and_gradient(kd_weight):
+    """block_loss's one lm_head pass with D-PACE weights chosen after it (`reweight`) gives the loss and the
+    gradient of the objective written out with full logits: D-PACE weights from the rows' detached CE,
+    then the weighted CE (+ KD)."""
+    from dflash.train.loss import block_loss, reference_block_loss
+
+    hidden, head, labels, decay, _, tid, tlp, B = _blocks_batch()
+    sel = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    denom = float(decay.sum()) * 0.8
+    h1 = hidden.clone().requires_grad_(True)
+    out = block_loss(h1, head, labels, decay, block_size=B, denom=denom, topk_ids=tid, topk_logprobs=tlp,
+                     kd_weight=kd_weight, kd_temperature=2.0, chunk=7, label_index=sel,
+                     reweight=lambda ce: dpace_loss_weight(ce, labels, decay, sel, B, 0.5).reshape(-1)[sel])
+    out.loss.backward()
+
+    h2 = hidden.clone().requires_grad_(True)
+    logits = (h2.detach().reshape(-1, h2.shape[-1])[sel] @ head.t())
+    ce = torch.logsumexp(logits, -1) - logits.gather(1, labels.reshape(-1)[sel, None]).squeeze(1)
+    w = dpace_loss_weight(ce, labels, decay, sel, B, 0.5)
+    ref = reference_block_loss(h2, head, labels, w, denom, tid, tlp, kd_weight=kd_weight, kd_temperature=2.0)
+    ref.backward()
+    assert not torch.allclose(w, decay)  # D-PACE moved the weights: the check below is not the decay's
+    assert torch.allclose(out.row_weight, w.reshape(-1)[sel])
+    assert torch.allclose(out.loss, ref, rtol=1e-5), (float(out.loss), float(ref))
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-6), (h1.grad - h2.grad).abs().max()
+
+
+def test_dflash2_selector_term_from_the_same_pass():
+    """With top_k, the pass keeps the candidates a DFlash2 selector scores: the selector's term and its
+    gradient equal those from a separate top-K pass over the full logits (head_prepass)."""
+    from dflash.drafter import DrafterConfig, build_drafter, with_arch
+    from dflash.train.loss import block_loss
+    from dflash.train.objectives import add_selector_term, head_prepass
+
+    hidden, head, labels, decay, block_in, _, _, B = _blocks_batch(V=64)
+    cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=8, intermediate_size=32, vocab_size=64, num_target_layers=4, target_layer_ids=[1, 2],
+                        mask_token_id=63, block_size=B)
+    drafter = build_drafter(with_arch(cfg, "dflash2", selector_rank=4, selector_top_k=5))
+    top1 = (hidden @ head.t()).argmax(-1)
+    labels = torch.where((labels != IGNORE) & (torch.arange(labels.shape[1]) % 2 == 0), top1, labels)  # some hits
+    sel = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+    out = block_loss(hidden, head, labels, decay, block_size=B, denom=3.0, chunk=7, label_index=sel, top_k=5)
+    got = add_selector_term(out, drafter, hidden, labels, block_in, sel, block_size=B, denom=3.0)
+    (got.loss - out.loss).backward()
+    grads = [p.grad.clone() for p in drafter.candidate_selector.parameters()]
+    drafter.zero_grad()
+
+    pre = head_prepass(hidden, head, labels, sel, 7, selector_of=drafter, ce=False)
+    prev = previous_tokens(labels, block_in, B).reshape(-1)[sel]
+    ref, _, learn = selector_ce(drafter.candidate_selector, hidden.reshape(-1, 16)[sel], pre, labels.reshape(-1)[sel],
+                                prev, decay.reshape(-1)[sel])
+    (ref / 3.0).backward()
+    assert learn.any() and torch.equal(out.head.top_ids, pre.ids)
+    assert torch.allclose(got.loss - out.loss, ref / 3.0, rtol=1e-5)
+    assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-7)
+               for a, p in zip(grads, drafter.candidate_selector.parameters()))
