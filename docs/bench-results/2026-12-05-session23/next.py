@@ -1,11 +1,12 @@
-"""Written in session 23 (no GPU lent) for the next lease: the fp8 loader change measured on the H200, then
-the example's defaults alone for as long as the lease allows, then online evals of four of its checkpoints.
+"""Written in session 23 (no GPU lent) for the next lease: session 23's two speed changes measured on the H200
+(fp8 context features dequantised on the device; one lm_head pass a step for DFlash2 + D-PACE), then the
+example's defaults alone for as long as the lease allows, then online evals of four of its checkpoints.
 
   1. the target stage and the stores (session 22's long.py: `all` in fp8, heldout_gen in bf16);
   2. A/B, each alone on the GPU, on the same store and flags as the long run, no held-out evals and no
-     checkpoints: AB_STEPS steps of the parent commit's code (`data/base.tar`, carried as .carry/base.tar.xz:
-     `git archive <parent> dflash | xz`), then of this tree's (fp8 bits dequantised on the device); each
-     run's steps/s, median step and data wait from its metrics (ab.json);
+     checkpoints: AB_STEPS steps of the code before both changes (`data/base.tar`, carried as
+     .carry/base.tar.xz: `git archive f3d7ed3 dflash | xz`), then of this tree's; each run's steps/s,
+     median step, data wait and starved steps from its metrics (ab.json), and its host phases (metrics);
   3. the long run (long.py's train(), STEPS steps, checkpoints and held-out tau every EVERY), its STEPS
      sized from the A/B's measured rate to end TRAIN_S seconds after it starts, unless STEPS is given;
   4. long.py's evaluate(): the last checkpoint alone (writes the reference), then those at 1/4, 1/2, 3/4.
