@@ -13,6 +13,9 @@ Its files are made readable by everyone (0644; safetensors writes 0600).  A chec
 (a truncated copy, a full disk under another tool) is named by file: `load_latest` (resume) falls back to
 the newest one that reads and says so on stderr; `load_checkpoint` and `check_safetensors` (eval, export)
 refuse it.
+
+The training loop does not wait for the disk: `CheckpointWriter` writes each checkpoint on one background
+thread (file I/O only, no model code) from a snapshot already in host memory, one at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import shutil
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -157,6 +161,49 @@ def save_checkpoint(
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def host_snapshot(state, device: torch.device):
+    """`state` (nested dicts / lists of tensors and plain values) safe to write while training goes on: on a
+    GPU the gathered state is already a host copy (cpu_offload); on the CPU it may be the live parameters
+    and optimizer moments themselves, so every tensor is copied."""
+    if device.type == "cuda":
+        return state
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state)
+
+
+class CheckpointWriter:
+    """save_checkpoint on a background thread, one checkpoint at a time: `save` waits for the previous write,
+    then starts this one and returns; `wait` (the run's end, or before the next save) joins it and raises its
+    error, if any (a full disk: save_checkpoint's DFlashError).  The arguments must not change while written:
+    pass a host_snapshot."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.written: list[Path] = []
+
+    def save(self, *args, **kwargs) -> None:
+        self.wait()
+
+        def write():
+            try:
+                self.written.append(save_checkpoint(*args, **kwargs))
+            except BaseException as e:  # raised in the training thread by wait()
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name="dflash-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
 
 
 def clean_partial(run_dir: str | Path) -> None:

@@ -176,3 +176,40 @@ def test_training_resumes_past_a_truncated_checkpoint(tiny_store, tmp_path, capf
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(set(steps)) and steps[-1] == 6
     ckpt.check_safetensors(ckpt.checkpoint_path(out, 4) / "model.safetensors")  # step 4 written again, whole
+
+
+def test_checkpoint_writer_raises_a_write_error_at_wait(tmp_path, monkeypatch):
+    """The writer thread's disk-full error is not lost: save() returns, the next wait() raises it, named as
+    save_checkpoint names it, and the writer writes the next checkpoint once the disk has room."""
+    run = tmp_path / "run"
+    real, full = os.fsync, [True]
+
+    def fsync(fd):
+        if full[0] and "train_state.pt" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    writer = ckpt.CheckpointWriter()
+    state = {"w": torch.arange(6.0)}
+    writer.save(run, 2, state, {}, {"step": 2}, {})  # returns: the error is the thread's
+    with pytest.raises(DFlashError) as e:
+        writer.wait()
+    _assert_disk_full(e, run)
+    full[0] = False
+    writer.save(run, 3, state, {}, {"step": 3}, {})
+    writer.wait()
+    assert ckpt.list_checkpoints(run) == [ckpt.checkpoint_path(run, 3)] and writer.written[-1] == ckpt.checkpoint_path(run, 3)
+
+
+def test_host_snapshot_copies_what_training_goes_on_changing():
+    """On the CPU the gathered state can be the live tensors: the snapshot the writer thread gets is a copy,
+    nested structure and plain values kept; a later in-place update does not reach it."""
+    live = torch.nn.Parameter(torch.ones(4))
+    state = {"model": {"w": live.data}, "optimizer": {"state": {0: {"exp_avg": torch.zeros(4), "step": 3}}}, "step": 7}
+    snap = ckpt.host_snapshot(state, torch.device("cpu"))
+    with torch.no_grad():
+        live.add_(1.0)
+        state["optimizer"]["state"][0]["exp_avg"].add_(5.0)
+    assert torch.equal(snap["model"]["w"], torch.ones(4)) and torch.equal(snap["optimizer"]["state"][0]["exp_avg"], torch.zeros(4))
+    assert snap["step"] == 7 and snap["optimizer"]["state"][0]["step"] == 3
