@@ -15,7 +15,7 @@ from dflash.config.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
 
 Arch = Literal["dflash", "dflash2", "dspark"]
 DrafterInit = Literal["random", "target"]
-Labels = Literal["data", "target"]
+Labels = Literal["data", "target", "rollout"]
 LossNorm = Literal["step", "micro_batch"]
 LossKernel = Literal["triton", "compiled"]
 Loss = Literal["ce", "dpace"]
@@ -145,7 +145,9 @@ class Data(Options):
                             "instead of a fresh shared tensor per micro-batch.")
     labels: Labels = opt("data", "What a block position is trained to predict: data = the dataset's next token; "
                          "target = the target's own greedy next token (the store's top-1), what the engine accepts, "
-                         "for data the target did not write (docs/DESIGN.md §3). Needs a store with --topk.")
+                         "for data the target did not write; rollout = target, on the block positions the target's "
+                         "own greedy walk from the anchor reaches (the data agrees with its greedy tokens before "
+                         "them), the rest unsupervised (docs/DESIGN.md §3). target and rollout need a store with --topk.")
 
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.num_workers >= 1, "--num-workers must be at least 1 (mask metadata is built in worker processes)."),

@@ -82,6 +82,24 @@ def target_labels(blocks: dict[str, np.ndarray], topk_ids: np.ndarray) -> np.nda
     return np.where(labels != IGNORE, top1, IGNORE)
 
 
+def rollout_reach(blocks: dict[str, np.ndarray], input_ids: np.ndarray, topk_ids: np.ndarray,
+                  block_size: int) -> np.ndarray:
+    """[n * B] bool: the block positions the target's own greedy walk from the anchor reaches with the data's
+    tokens as its prefix.  Position k does when the data's tokens at anchor + 1 .. anchor + k - 1 all equal
+    the target's greedy token before each (the store's top-1 one position earlier): only there is the
+    target's greedy token after the data's prefix (`target_labels`) the token its walk writes at k, which is
+    what the engine verifies.  Positions 0 and 1 always do."""
+    T, B = len(input_ids), block_size
+    pos = blocks["positions"].reshape(-1, B)
+    ids = np.asarray(input_ids)
+    agree = np.zeros(T, dtype=bool)
+    agree[1:] = ids[1:] == topk_ids[: T - 1, 0]
+    at = agree[np.minimum(pos, T - 1)] & (pos < T)  # [n, B]: the data agrees with the target at anchor + k
+    reach = np.ones_like(at)
+    reach[:, 2:] = np.cumprod(at[:, 1:-1], axis=1).astype(bool)
+    return reach.reshape(-1)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the epoch plan
 
@@ -148,7 +166,12 @@ class PackedDataset(torch.utils.data.Dataset):
         anchors = draw_anchors(lm, int(self.max_blocks[idx]), spec.seed, epoch, sid)
         blocks = block_targets(ids, lm, anchors, spec.block_size, spec.mask_token_id, self.weights)
         if spec.target_labels:
-            blocks["labels"] = target_labels(blocks, d["topk_ids"][:T].numpy())
+            topk = d["topk_ids"][:T].numpy()
+            blocks["labels"] = target_labels(blocks, topk)
+            if spec.rollout_labels:
+                reach = rollout_reach(blocks, ids, topk, spec.block_size)
+                blocks["labels"] = np.where(reach, blocks["labels"], IGNORE)
+                blocks["weights"] = np.where(reach, blocks["weights"], 0.0)
         out = dict(sid=sid, T=T, hidden=None if direct else d["hidden"][:T], anchors=anchors, **blocks)
         if spec.kd:
             src = torch.from_numpy(np.maximum(blocks["source"], 0))
@@ -321,6 +344,7 @@ __all__ = [
     "eligible_anchors",
     "draw_anchors",
     "block_targets",
+    "rollout_reach",
     "plan_epoch",
     "batch_cost",
     "round_up",

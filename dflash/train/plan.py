@@ -37,6 +37,7 @@ class LoaderSpec:
     num_shapes: int = 3
     kd: bool = False
     target_labels: bool = False  # labels = the store's top-1 (the target's greedy token), not the data's token
+    rollout_labels: bool = False  # and only where the target's greedy walk from the anchor reaches (loader.rollout_reach)
     skip_damaged: bool = False  # a sample failing its checksums is left out of its batch and counted
     balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
     sliding_window: int | None = None  # the drafter has sliding-window layers: their masks too (masks.py)

@@ -256,8 +256,8 @@ def _checked_store(cfg: TrainConfig, identity: dict):
     if cfg.objective.kd_weight > 0 and not store.topk:
         raise ConfigError(f"--kd-weight {cfg.objective.kd_weight} needs top-k target log-probs, but store {cfg.job.store} "
                           "was made with --topk 0; precompute with --topk K or train with --kd-weight 0.")
-    if cfg.data.labels == "target" and not store.topk:
-        raise ConfigError(f"--labels target trains on the target's greedy tokens, its stored top-1, but store "
+    if cfg.data.labels in ("target", "rollout") and not store.topk:
+        raise ConfigError(f"--labels {cfg.data.labels} trains on the target's greedy tokens, its stored top-1, but store "
                           f"{cfg.job.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
                           "train with --labels data.")
     _check_dspark_store(cfg, store)
@@ -324,7 +324,8 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         seed=cfg.job.seed,
         num_shapes=cfg.data.num_shapes,
         kd=cfg.objective.kd_weight > 0 or (cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "topk"),
-        target_labels=cfg.data.labels == "target",
+        target_labels=cfg.data.labels in ("target", "rollout"),
+        rollout_labels=cfg.data.labels == "rollout",
         final_hidden=cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "final_hidden",
         skip_damaged=cfg.data.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,

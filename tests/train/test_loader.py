@@ -217,6 +217,47 @@ def test_target_labels_are_the_stored_top1(store):
     assert (tgt.labels[supervised] != data.labels[supervised]).any()
 
 
+def test_rollout_reach_by_hand():
+    """Block position k is reached by the target's greedy walk from the anchor when the data's tokens at
+    anchor + 1 .. anchor + k - 1 equal the target's greedy token one position before each."""
+    ids = np.array([5, 6, 7, 8, 9, 10, 11, 12])
+    top1 = np.array([6, 7, 0, 9, 10, 0, 12, 0])  # the data agrees at 1, 2, 4, 5, 7 (not at 3 or 6)
+    blocks = L.block_targets(ids, np.ones(8, bool), np.array([0, 3]), 4, 99, np.ones(4))
+    reach = L.rollout_reach(blocks, ids, top1[:, None], 4)
+    # anchor 0: k=1 yes; k=2: data agrees at 1; k=3: and at 2. anchor 3: k=2: agrees at 4; k=3: and at 5
+    assert reach.tolist() == [True, True, True, True, True, True, True, True]
+    blocks = L.block_targets(ids, np.ones(8, bool), np.array([1, 4]), 4, 99, np.ones(4))
+    reach = L.rollout_reach(blocks, ids, top1[:, None], 4)
+    # anchor 1: k=2 needs agreement at 2 (yes), k=3 at 2 and 3 (3 disagrees); anchor 4: k=2 at 5 (yes), k=3 at 6 (no)
+    assert reach.tolist() == [True, True, True, False, True, True, True, False]
+
+
+def test_rollout_labels_keep_the_target_labels_the_walk_reaches(store):
+    """--labels rollout: the target labels of --labels target where the target's greedy walk from the anchor
+    reaches the position, nothing elsewhere; with this untaught target the walk often leaves the data."""
+    spec = _spec(token_budget=256, block_budget=128, num_anchors=4, mask_token_id=7, target_labels=True)
+    tgt = L.PackedDataset(store, spec)[(0, 0)]
+    roll = L.PackedDataset(store, L.LoaderSpec(**{**spec.__dict__, "rollout_labels": True}))[(0, 0)]
+    kept = roll.labels != IGNORE
+    assert torch.equal(roll.labels[kept], tgt.labels[kept]) and (kept <= (tgt.labels != IGNORE)).all()
+    assert (roll.loss_weight[~kept] == 0).all() and torch.equal(roll.loss_weight[kept], tgt.loss_weight[kept])
+    assert 0 < int(kept.sum()) < int((tgt.labels != IGNORE).sum())
+    # every kept position k >= 2 of the first sample's blocks: the data agreed with the target before it
+    d = store.read(int(roll.sample_ids[0]))
+    ids, top1 = d["input_ids"], d["topk_ids"][:, 0]
+    B = spec.block_size
+    checked, first = 0, int((roll.mask["q_sample"][0] == 0).sum())  # the first sample's block positions
+    assert first >= B
+    for b0 in range(0, first, B):
+        a = int(roll.block_positions[0, b0])
+        for k in range(2, B):
+            if a + k < len(ids) and int(tgt.labels[0, b0 + k]) != IGNORE:
+                agree = all(int(ids[a + j]) == int(top1[a + j - 1]) for j in range(1, k))
+                assert bool(kept[0, b0 + k]) == agree, (a, k)
+                checked += 1
+    assert checked > 0
+
+
 def test_workers_build_batches(store):
     """Through a real DataLoader with a worker process: same batches as built in-process."""
     spec = _spec(token_budget=256, block_budget=128, num_anchors=4)

@@ -35,6 +35,12 @@ def test_preflight_resolves_a_frozen_picklable_run(tiny_store, tmp_path):
     assert run.record(1)["store"]["samples"] == 24 and run.feature_width > 0
 
 
+def test_labels_reach_the_loader(tiny_store, tmp_path):
+    """--labels picks the loader's labels: the store's top-1 for target and rollout, the walk's reach for rollout."""
+    specs = {lab: preflight(_cfg(tiny_store, tmp_path / lab, labels=lab)).spec for lab in ("data", "target", "rollout")}
+    assert [(s.target_labels, s.rollout_labels) for s in specs.values()] == [(False, False), (True, False), (True, True)]
+
+
 def test_the_init_record_is_replaced_not_edited(tiny_store, tmp_path):
     run = preflight(_cfg(tiny_store, tmp_path / "run", drafter_init="target", num_layers=2))
     applied = run.with_init_applied("fresh run")
@@ -43,14 +49,15 @@ def test_the_init_record_is_replaced_not_edited(tiny_store, tmp_path):
     assert preflight(_cfg(tiny_store, tmp_path / "plain")).with_init_applied("x").drafter_init is None
 
 
-def test_target_labels_need_a_store_with_topk(tiny_target, tmp_path):
-    """--labels target reads the store's top-1: a store made with --topk 0 is refused, naming both ways out."""
+@pytest.mark.parametrize("labels", ["target", "rollout"])
+def test_target_labels_need_a_store_with_topk(tiny_target, tmp_path, labels):
+    """--labels target / rollout read the store's top-1: a store made with --topk 0 is refused, naming both ways out."""
     from helpers import build_store, make_conversations_jsonl
 
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", 6)
     store = build_store(tmp_path / "store", tiny_target, data, topk=0)
-    cfg = _cfg((tiny_target, data, store), tmp_path / "run", labels="target")
-    with pytest.raises(ConfigError, match=r"--labels target .* --topk 0; precompute with --topk K .* --labels data"):
+    cfg = _cfg((tiny_target, data, store), tmp_path / "run", labels=labels)
+    with pytest.raises(ConfigError, match=rf"--labels {labels} .* --topk 0; precompute with --topk K .* --labels data"):
         preflight(cfg)
     assert preflight(dataclasses.replace(cfg, labels="data")).spec.target_labels is False
     assert preflight(_cfg((tiny_target, data, store), tmp_path / "r2")).spec.kd is False
