@@ -9,10 +9,13 @@ example's defaults alone for as long as the lease allows, then online evals of f
      median step, data wait and starved steps from its metrics (ab.json), and its host phases (metrics);
   3. the long run (long.py's train(), STEPS steps, checkpoints and held-out tau every EVERY), its STEPS
      sized from the A/B's measured rate to end TRAIN_S seconds after it starts, unless STEPS is given;
-  4. long.py's evaluate(): the last checkpoint alone (writes the reference), then those at 1/4, 1/2, 3/4.
+  4. long.py's evaluate(): the last checkpoint alone (writes the reference), then those at 1/4, 1/2, 3/4,
+     and with SCREEN_STEPS the screen's last checkpoints beside them.
+  With SCREEN_STEPS > 0, before the long run: `--labels target` (DT's flags) against `--labels rollout`,
+  SCREEN_STEPS steps each on their own cosine, alone, held-out tau at the end (runs SCR_target, SCR_rollout).
 
-Env: AB_STEPS (0 skips the A/B), TRAIN_S, STEPS, EVERY, WORKERS_DT, DEADLINE, EVAL_WORKERS_FINAL,
-EVAL_WORKERS_MID.  Launched by session 21's c4.sh with DRIVER=docs/bench-results/2026-12-05-session23/next.py.
+Env: AB_STEPS (0 skips the A/B), SCREEN_STEPS (0: no screen), TRAIN_S, STEPS, EVERY, WORKERS_DT, DEADLINE,
+EVAL_WORKERS_FINAL, EVAL_WORKERS_MID.  Launched by session 21's c4.sh with DRIVER=docs/bench-results/2026-12-05-session23/next.py.
 """
 
 from __future__ import annotations
@@ -32,6 +35,25 @@ import long as lg  # noqa: E402  (it imports session 21's study.py as lg.s)
 s = lg.s
 AB_STEPS = int(os.environ.get("AB_STEPS", 800))
 TRAIN_S = float(os.environ.get("TRAIN_S", 900))
+SCREEN_STEPS = int(os.environ.get("SCREEN_STEPS", 0))
+SCREEN = {"SCR_target": s.RUNS["DT"][1],
+          "SCR_rollout": [f if f != "target" else "rollout" for f in s.RUNS["DT"][1]]}
+
+
+def screen() -> None:
+    """SCREEN_STEPS steps of each SCREEN run, one after the other, alone on the GPU."""
+    every = ["--save-every", str(SCREEN_STEPS), "--eval-every", str(SCREEN_STEPS), "--eval-store", "stores/heldout_gen"]
+    for name, flags in SCREEN.items():
+        s.run(f"train_{name}", s.train_cmd(name, "all", SCREEN_STEPS, flags, every))
+        held = [r for r in s.rows_of(s.E / "runs" / name / "metrics.jsonl") if "eval_tau" in r]
+        s.log(f"{name}: held-out tau {held[-1]['eval_tau'] if held else None} at step {s.last_step(name)}")
+
+
+def evaluate_screen() -> None:
+    procs = [(n, c, s.bg(f"eval_{n}@{c.name}", s.eval_cmd(n, c))) for n in SCREEN
+             for c in s.checkpoints(n)[-1:]] if SCREEN_STEPS else []
+    for n, c, p in procs:
+        s.log(f"eval {n}@{c.name}: exit {p.wait()}")
 
 
 def ab_run(name: str, code: Path) -> dict:
@@ -71,6 +93,8 @@ def main() -> None:
         ab = {"before": ab_run("AB_before", base), "after": ab_run("AB_after", s.CODE)}
         (s.E / "ab.json").write_text(json.dumps(ab, indent=1))
         rate = ab["after"]["steps_per_s"]
+    if SCREEN_STEPS:
+        screen()
     if "STEPS" not in os.environ and rate:
         # held-out evals and checkpoints every EVERY steps cost ~1.6 s each (session 21)
         lg.STEPS = max(int(lg.EVERY), int(TRAIN_S * rate * 0.93) // 500 * 500)
@@ -79,6 +103,7 @@ def main() -> None:
           f"{time.strftime('%H:%M:%S', time.gmtime(lg.DEADLINE))}")
     lg.train()
     lg.evaluate()
+    evaluate_screen()
     s.log("driver: done")
 
 
