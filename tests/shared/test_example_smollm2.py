@@ -86,3 +86,23 @@ def test_the_example_params_load_as_each_command_reads_them():
     assert (train.drafter.arch, train.objective.loss, train.data.labels) == ("dflash2", "dpace", "target")
     assert pre.topk > 0 and pre.hidden_dtype == "fp8"
     assert train.drafter.block_size == 16 and train.job.store == pre.out
+
+
+def test_target_stage_without_gguf_says_what_to_install_before_downloading(tmp_path):
+    """Without the gguf package the target stage stops with one line naming the package and the command,
+    before it downloads anything, and with no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    target = STAGE.parent / "target.py"
+    params = yaml.safe_load((STAGE.parents[1] / "params.yaml").read_text())
+    params["target"].update(cache=str(tmp_path / "cache"), out=str(tmp_path / "model"))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    hide = ("import runpy, sys; sys.modules['gguf'] = None; sys.argv = [sys.argv[1], '--params', sys.argv[2]]; "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    env = dict(os.environ, PIP_NO_INDEX="1")  # were the check missing, the stage's pip download fails offline
+    p = subprocess.run([sys.executable, "-c", hide, str(target), str(tmp_path / "params.yaml")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0 and "pip install gguf" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "cache").exists()

