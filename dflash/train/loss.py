@@ -73,9 +73,10 @@ class HeadPass:
 
 def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
     """One chunk of positions: (ce [c], kd [c] (zeros when KD is off), greedy predictions, d loss / d logits
-    in the logits' dtype, each row's scaled by its weight).  Written as plain tensor code so that torch.compile can fuse it into a couple of
-    passes over the [c, V] logits (eager, it makes ~10 fp32 passes: the biggest non-matmul cost of a
-    step at a 152k vocabulary).  topk_p is the target's renormalised top-k distribution, or None."""
+    in the logits' dtype, each row's scaled by its weight).  Written as plain tensor code so that
+    torch.compile can fuse it into a couple of passes over the [c, V] logits (eager, it makes ~10 fp32
+    passes: the biggest non-matmul cost of a step at a 152k vocabulary).  topk_p is the target's
+    renormalised top-k distribution, or None."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     preds = x.argmax(dim=-1)
