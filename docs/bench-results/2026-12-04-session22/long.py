@@ -77,23 +77,38 @@ def evaluate() -> None:
         s.log(f"eval DT@{c.name}: exit {p.wait()}")
 
 
-def main() -> None:
+def setup(banner: str) -> bool:
+    """The layout's log folders, the target stage (unless done) and the stores; False (logged) on a failure."""
     (s.E / "logs").mkdir(exist_ok=True)
     (s.E / "eval").mkdir(exist_ok=True)
-    s.log(f"driver (session 22): DT alone, {STEPS} steps, every {EVERY}, deadline {time.strftime('%H:%M:%S', time.gmtime(DEADLINE))}")
+    s.log(banner)
     if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
-        return s.log("driver: the target stage failed; stopping")
+        s.log("driver: the target stage failed; stopping")
+        return False
     if not stores():
-        return s.log("driver: a store failed; stopping")
+        s.log("driver: a store failed; stopping")
+        return False
+    return True
+
+
+def main() -> None:
+    if not setup(f"driver (session 22): DT alone, {STEPS} steps, every {EVERY}, deadline "
+                 f"{time.strftime('%H:%M:%S', time.gmtime(DEADLINE))}"):
+        return
     train()
     evaluate()
     s.log("driver: done")
 
 
-if __name__ == "__main__":
+def guarded(fn) -> None:
+    """Run a driver's main: a crash goes to study.log (the watch scripts read it), not to a lost stderr."""
     try:
-        main()
+        fn()
     except Exception:
         import traceback
 
         s.log("driver: crashed\n" + traceback.format_exc())
+
+
+if __name__ == "__main__":
+    guarded(main)

@@ -78,13 +78,9 @@ def ab_run(name: str, code: Path) -> dict:
 
 
 def main() -> None:
-    (s.E / "logs").mkdir(exist_ok=True)
-    (s.E / "eval").mkdir(exist_ok=True)
-    s.log(f"driver (session 23's plan): A/B {AB_STEPS} steps each, then DT alone ~{TRAIN_S:.0f} s")
-    if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
-        return s.log("driver: the target stage failed; stopping")
-    if not lg.stores():
-        return s.log("driver: a store failed; stopping")
+    if not lg.setup(f"driver (session 23's plan): A/B {AB_STEPS} steps each, screen {SCREEN_STEPS}, then DT alone "
+                    f"~{TRAIN_S:.0f} s"):
+        return
     rate = None
     if AB_STEPS:
         base = Path(os.environ.get("BASE", "/root/base"))
@@ -108,9 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        import traceback
-
-        s.log("driver: crashed\n" + traceback.format_exc())
+    lg.guarded(main)
