@@ -146,4 +146,14 @@ def test_training_on_fp8_equals_training_on_its_values(fp8_store, tmp_path):
         losses[name] = [r["loss"] for r in recs]
     assert len(losses["fp8"]) == 4 and np.isfinite(losses["fp8"]).all()
     assert losses["fp8"] == losses["bf16"]
+    # held-out tau reads fp8 bits too (dequantised where the drafter runs): the twin gives the same
+    from dflash.evaluate.export import load_training_drafter
+    from dflash.store import open_store
+    from dflash.target_model.files import load_embed_and_head
+    from dflash.train.heldout import offline_tau
+
+    drafter = load_training_drafter(tmp_path / "run_fp8")[0]
+    embed, head = load_embed_and_head(target)
+    taus = [offline_tau(drafter, embed, head, open_store(st), num_anchors=8, progress=False) for st in (src, twin)]
+    assert taus[0]["num_blocks"] > 0 and taus[0]["tau"] == taus[1]["tau"] and taus[0]["acceptance"] == taus[1]["acceptance"]
     shutil.rmtree(twin)
