@@ -100,6 +100,21 @@ def rollout_reach(blocks: dict[str, np.ndarray], input_ids: np.ndarray, topk_ids
     return reach.reshape(-1)
 
 
+def target_agreement(store, max_samples: int = 200) -> tuple[float, int] | None:
+    """(share, positions): how often the store's supervised tokens equal the target's greedy token before them
+    (the stored top-1 one position earlier), over its first `max_samples` samples; None without top-k.  Low
+    on data the target did not write: there --labels target / rollout train on what the engine verifies."""
+    if not getattr(store, "topk", 0) or len(store) == 0:
+        return None
+    agree = total = 0
+    for sid in store.sample_ids()[:max_samples]:
+        d = store.read(sid, fields=("input_ids", "loss_mask", "topk_ids"))
+        ids, sup, top1 = d["input_ids"].numpy(), d["loss_mask"].numpy()[1:], d["topk_ids"][:, 0].numpy()
+        agree += int(((ids[1:] == top1[:-1]) & sup).sum())
+        total += int(sup.sum())
+    return (agree / total, total) if total else None
+
+
 # ---------------------------------------------------------------------------------------------------
 # the epoch plan
 
@@ -345,6 +360,7 @@ __all__ = [
     "draw_anchors",
     "block_targets",
     "rollout_reach",
+    "target_agreement",
     "plan_epoch",
     "batch_cost",
     "round_up",

@@ -14,9 +14,22 @@ import torch
 from dflash.config import TrainConfig
 from dflash.jsonl import jsonl_lines
 from dflash.train.batch_slots import default_num_slots
-from dflash.train.loader import PREFETCH_FACTOR, batch_bytes
+from dflash.train.loader import PREFETCH_FACTOR, batch_bytes, target_agreement
 from dflash.train.preflight import truncate_metrics
 from dflash.train.resolved import ResolvedRun
+
+
+def agreement_note(store, labels: str) -> str:
+    """The banner's word on the data against the target: how often they agree (a store with top-k), and with
+    --labels data on data the target did not write (under 90%), what to train on instead."""
+    found = target_agreement(store)
+    if found is None:
+        return ""
+    share, n = found
+    hint = (" (the data is not the target's own: --labels target or rollout train on what the engine verifies, "
+            "docs/DESIGN.md §3)" if labels == "data" and share < 0.9 else "")
+    return (f"; the data's supervised tokens equal the target's greedy token at {100 * share:.1f}% of {n:,} "
+            f"positions (the first samples){hint}")
 
 
 def peak_mem_gb(device: torch.device) -> float:
@@ -90,6 +103,7 @@ class RunLogger:
             f"Q {run.spec.q_shapes}, loss kernel {loss_kernel}, drafter layers "
             f"{','.join(t.split('_')[0] for t in run.drafter_config.layer_types)} ({run.layer_types_source})"
             + (f"; {cut} samples are longer than --token-budget and are cut to it" if cut else "")
+            + agreement_note(store, cfg.data.labels)
             + (f"; host memory for batches: {n_slots * one / 1e9:.2f} GB of shared slots per process ({n_slots} slots "
                f"= {cfg.data.num_workers} workers + 3 x {cfg.optim.grad_accum} micro-batches per step + 1, x {one / 1e6:.1f} MB; "
                "page-locked on a GPU; fewer --num-workers or --rows-per-batch lower it)" if cfg.data.batch_slots else

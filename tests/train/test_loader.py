@@ -258,6 +258,25 @@ def test_rollout_labels_keep_the_target_labels_the_walk_reaches(store):
     assert checked > 0
 
 
+def test_target_agreement_counts_supervised_tokens_the_target_would_write(store):
+    """The share of supervised tokens equal to the stored top-1 one position earlier, by hand over the same
+    samples; a store without top-k has none."""
+    share, n = L.target_agreement(store, max_samples=5)
+    agree = total = 0
+    for sid in store.sample_ids()[:5]:
+        d = store.read(sid)
+        for p in range(1, len(d["input_ids"])):
+            if bool(d["loss_mask"][p]):
+                total += 1
+                agree += int(d["input_ids"][p]) == int(d["topk_ids"][p - 1, 0])
+    assert n == total > 0 and share == agree / total and 0 < share < 1  # an untaught target: some, not all
+
+    class NoTopk:
+        topk = 0
+
+    assert L.target_agreement(NoTopk()) is None
+
+
 def test_workers_build_batches(store):
     """Through a real DataLoader with a worker process: same batches as built in-process."""
     spec = _spec(token_budget=256, block_budget=128, num_anchors=4)

@@ -423,3 +423,9 @@ def test_banner_states_the_host_memory_of_batch_slots(counting, tmp_path, capsys
     n = 2 + 3 * 1 + 1  # workers + 3 steps of 1 micro-batch + 1
     assert f"{n * one / 1e9:.2f} GB of shared slots per process ({n} slots = 2 workers + 3 x 1 micro-batches per " \
            f"step + 1, x {one / 1e6:.1f} MB" in err, err[-2000:]
+    # how often the data agrees with the target, and under --labels data a hint when under 90%
+    from dflash.train.loader import target_agreement
+
+    share, n = target_agreement(s)
+    assert f"the data's supervised tokens equal the target's greedy token at {100 * share:.1f}% of {n:,} positions" in err
+    assert ("--labels target or rollout train on what the engine verifies" in err) == (share < 0.9)
