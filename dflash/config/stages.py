@@ -118,6 +118,9 @@ class EvalConfig(Options):
                                 "kind (written when absent or stale): evaluating many checkpoints then decodes "
                                 "the target alone once.")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
+    walk: bool = opt(False, "Offline, on a store of the target's own greedy replies: also the engine's walk over "
+                     "each sample's last reply, --max-new-tokens tokens at most (`walk` in the JSON: online tau "
+                     "without the target in the loop).")
     device: str = opt("auto", "'auto', 'cpu' or 'cuda:0'.")
     workers: int = opt(1, "Online: processes decoding the prompts, a contiguous slice each, all on --device "
                        "(one prompt at a time leaves a GPU mostly idle); merged in prompt order, so tau and the "

@@ -210,6 +210,9 @@ class Monitor(Options):
     eval_every: int = opt(0, "Held-out tau on --eval-store every N steps (metrics.jsonl `eval_tau`, TensorBoard); "
                           "0 = off.")
     eval_store: str | None = opt(None, "Held-out store for --eval-every.")
+    eval_walk_tokens: int = opt(0, "With --eval-every, on a held-out store of the target's own greedy replies: also "
+                                "the engine's walk over each reply's first N tokens (metrics `eval_walk_tau`: online "
+                                "tau without the target in the loop); 0 = off.")
     profile_steps: int = opt(0, "torch.profiler over this many steps per process: <out>/profile/; 0 = off.")
     profile_start: int = opt(5, "Steps of this run before profiling starts (after compilation and warm-up).")
 

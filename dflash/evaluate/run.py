@@ -160,6 +160,11 @@ def _offline(cfg: EvalConfig, drafter, target_dir: str, identity, device: torch.
     offline = offline_tau(drafter, embed.float(), head.float(), store, num_anchors=cfg.num_anchors,
                           seed=cfg.seed, max_samples=cfg.max_samples)
     offline["store"] = str(cfg.store)
+    if cfg.walk:
+        from dflash.train.walk import walk_tau
+
+        offline["walk"] = walk_tau(drafter, embed.float(), head.float(), store, max_new_tokens=cfg.max_new_tokens,
+                                   max_samples=cfg.max_samples)
     return offline
 
 

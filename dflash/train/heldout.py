@@ -53,6 +53,35 @@ def summarize(taus: np.ndarray, block_size: int, correct: np.ndarray | None = No
     return out
 
 
+def check_store(store, cfg) -> None:
+    """StoreError unless `store` holds the drafter's target layers at its width and has samples."""
+    if store.hidden_size != cfg.hidden_size or list(store.target_layer_ids) != list(cfg.target_layer_ids):
+        raise StoreError(
+            f"store {store.path} holds target layers {store.target_layer_ids} of hidden size {store.hidden_size}, "
+            f"but the drafter reads layers {cfg.target_layer_ids} of hidden size {cfg.hidden_size}; evaluate on "
+            "a held-out store precomputed from the same target with the same --target-layers."
+        )
+    if len(store) == 0:
+        raise StoreError(f"store {store.path} has no committed samples; run `dflash precompute` to completion.")
+
+
+def predictions(drafter, hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
+                block_input_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, Q] the drafter's proposals where there is a label (-1 elsewhere), as its family serves them.
+    Earlier positions are teacher-forced where the family conditions on them; up to a block's first miss
+    they equal the served walk's, so the acceptance length they give is the served one."""
+    if drafter.selects_candidates:  # DFlash2: the selector's proposals (§11)
+        from dflash.train.objectives import selector_predictions
+
+        return selector_predictions(drafter, hidden, lm_head, labels, block_input_ids, block_size)
+    if drafter.dspark_heads:  # DSpark: lm_head + the Markov bias of the true previous token (§12)
+        from dflash.train.dspark_loss import dspark_predictions
+        from dflash.train.objectives import previous_tokens
+
+        return dspark_predictions(drafter, hidden, lm_head, labels, previous_tokens(labels, block_input_ids, block_size))
+    return _greedy(hidden, lm_head, labels)
+
+
 @torch.no_grad()
 def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, num_anchors: int = 64,
                 seed: int = 0, max_samples: int | None = None, token_budget: int | None = None,
@@ -65,14 +94,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
     """
     cfg = drafter.config
     B = cfg.block_size
-    if store.hidden_size != cfg.hidden_size or list(store.target_layer_ids) != list(cfg.target_layer_ids):
-        raise StoreError(
-            f"store {store.path} holds target layers {store.target_layer_ids} of hidden size {store.hidden_size}, "
-            f"but the drafter reads layers {cfg.target_layer_ids} of hidden size {cfg.hidden_size}; evaluate on "
-            "a held-out store precomputed from the same target with the same --target-layers."
-        )
-    if len(store) == 0:
-        raise StoreError(f"store {store.path} has no committed samples; run `dflash precompute` to completion.")
+    check_store(store, cfg)
     param = next(drafter.parameters())
     device = param.device
     longest = int(store.lengths().max())
@@ -111,18 +133,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                 hidden = drafter(b.ctx_hidden, F.embedding(b.block_input_ids, embed), b.ctx_positions,
                                  b.block_positions, mask)
             labels = b.labels
-            if drafter.selects_candidates:  # DFlash2: the selector's proposals, as served (§11)
-                from dflash.train.objectives import selector_predictions
-
-                preds = selector_predictions(drafter, hidden, lm_head, labels, b.block_input_ids, B)
-            elif drafter.dspark_heads:  # DSpark: lm_head + the Markov bias of the true previous token (§12)
-                from dflash.train.dspark_loss import dspark_predictions
-                from dflash.train.objectives import previous_tokens
-
-                preds = dspark_predictions(drafter, hidden, lm_head, labels,
-                                           previous_tokens(labels, b.block_input_ids, B))
-            else:
-                preds = _greedy(hidden, lm_head, labels)
+            preds = predictions(drafter, hidden, lm_head, labels, b.block_input_ids, B)
             tau, right, valid = block_acceptance(preds, labels, B)
             taus.append(tau.cpu())
             rights.append(right.sum(0).cpu())

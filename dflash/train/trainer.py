@@ -296,7 +296,14 @@ class Trainer:
         res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.data.num_anchors,
                           seed=self.cfg.job.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
                           progress=False)
-        return {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
+        out = {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
+        if self.cfg.monitor.eval_walk_tokens:
+            from dflash.train.walk import walk_tau
+
+            walk = walk_tau(fn.raw, fn.embed, fn.head, self.eval_store, max_new_tokens=self.cfg.monitor.eval_walk_tokens,
+                            token_budget=spec.token_budget, rows_per_batch=spec.rows_per_batch, progress=False)
+            out["eval_walk_tau"] = walk["tau"]
+        return out
 
     def _barrier(self) -> None:
         if self.world > 1:

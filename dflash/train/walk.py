@@ -1,0 +1,144 @@
+"""Walk tau: the engine's speculative-decoding walk replayed on a store of the target's own greedy replies.
+
+Greedy speculative decoding is lossless, so after a prompt it emits the target's own greedy reply.  On a
+store whose replies the target wrote greedily (`dflash generate --temperature 0`, then `dflash
+precompute`), the reply's tokens and its context features are what the engine sees, and its steps can be
+replayed without the target in the loop (docs/DESIGN.md §6): the first anchor is the reply's first token
+(the prefill's), a step drafts one block from the anchor and accepts the leading proposals equal to the
+reply's next tokens, and the next anchor is the token after them (the target's bonus token).  A reply
+stops after `max_new_tokens` tokens or once its last supervised token (the end of turn) is emitted, as
+`dflash.evaluate.speculative` does; tau is the mean tokens per step over every step of every reply, as
+`dflash eval --prompts` reports it.
+
+Random anchors (`heldout.offline_tau`) weigh every position of a reply alike; the engine's walk crosses an
+easy stretch in a few steps and a hard one in many, so its tau is lower than theirs (docs/RECIPE.md).  It
+differs from the lossless eval's only through floating point: features computed over the whole reply
+against the engine's incremental ones, and replies generated in another dtype than the eval's.
+
+Each micro-batch's context features are read once and stay on the device; a step rebuilds the blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dflash.drafter import attention
+from dflash.train import loader as L
+from dflash.train.heldout import check_store, predictions, summarize
+from dflash.train.loss import _blocks
+
+
+def reply_span(loss_mask: np.ndarray) -> tuple[int, int] | None:
+    """(first, last) position of the sample's last supervised run, the reply the walk follows; None when
+    that run is shorter than two tokens (no block to draft)."""
+    m = np.asarray(loss_mask, dtype=bool)
+    sup = np.flatnonzero(m)
+    if len(sup) == 0:
+        return None
+    last = int(sup[-1])
+    gaps = np.flatnonzero(~m[: last + 1])
+    first = int(gaps[-1]) + 1 if len(gaps) else 0
+    return (first, last) if last > first and first > 0 else None
+
+
+class _Blocks(L.PackedDataset):
+    """Each sample's one block at its walk anchor `at[idx]`, with no context features (the walk keeps those
+    on the device): a step's batch costs only its block stream and mask metadata."""
+
+    def __init__(self, store, spec: L.LoaderSpec, tokens: dict[int, tuple[np.ndarray, np.ndarray]]):
+        super().__init__(store, spec)
+        self.tokens = tokens
+        self.max_blocks = np.where([i in tokens for i in range(len(self.sample_ids))], 1, 0)
+        self.at = np.zeros(len(self.sample_ids), dtype=np.int64)
+
+    def _sample(self, idx: int, epoch: int) -> dict:
+        ids, lm = self.tokens[idx]
+        anchors = self.at[idx : idx + 1].copy()
+        blocks = L.block_targets(ids, lm, anchors, self.spec.block_size, self.spec.mask_token_id, self.weights)
+        return dict(sid=int(self.sample_ids[idx]), T=len(ids), hidden=torch.empty(len(ids), 0, dtype=torch.bfloat16),
+                    anchors=anchors, **blocks)
+
+    def _direct(self) -> bool:
+        return False
+
+
+@torch.no_grad()
+def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
+             max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
+             progress: bool = True) -> dict:
+    """The engine's greedy walk over each sample's last reply (module docstring).
+
+    Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist} and num_samples.
+    """
+    cfg = drafter.config
+    B = cfg.block_size
+    check_store(store, cfg)
+    device = next(drafter.parameters()).device
+    longest = int(store.lengths().max())
+    budget = token_budget or L.round_up(longest)
+    spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=L.round_up(budget),
+                        rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
+                        sliding_window=cfg.sliding_window if cfg.has_sliding else None)
+    sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
+    tokens, span = {}, {}
+    for idx, sid in enumerate(sids):
+        d = store.read(int(sid), fields=("input_ids", "loss_mask"))
+        T = min(len(d["input_ids"]), spec.s_shapes[-1])
+        ids, lm = d["input_ids"][:T].numpy(), d["loss_mask"][:T].numpy().astype(bool)
+        s = reply_span(lm)
+        if s is not None:
+            tokens[idx], span[idx] = (ids, lm), s
+    blocks = _Blocks(store, spec, tokens)
+    feats = L.PackedDataset(store, spec)
+    feats.max_blocks = blocks.max_blocks
+    plan = blocks.plan(0).batches
+    first = np.array([span.get(i, (0, 0))[0] for i in range(len(blocks.sample_ids))], dtype=np.int64)
+    last = np.array([span.get(i, (0, 0))[1] for i in range(len(blocks.sample_ids))], dtype=np.int64)
+    blocks.at[:] = first
+    emitted = np.ones(len(first), dtype=np.int64)  # the prefill's token
+    active = blocks.max_blocks.astype(bool)
+    ctx = [feats.build(0, rows).to(device).dequantised().ctx_hidden for rows in plan]
+    embed, lm_head = embed.to(device), lm_head.to(device)
+    steps: list[int] = []
+    was_training = drafter.training
+    drafter.eval()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    bar = tqdm(total=int(active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
+    try:
+        while active.any():
+            for rows, hidden_ctx in zip(plan, ctx):
+                if not any(active[r].any() for r in rows):
+                    continue
+                b = blocks.build(0, rows).to(device)
+                mask = attention.mask_for(b.mask, device)
+                with autocast:
+                    hidden = drafter(hidden_ctx, F.embedding(b.block_input_ids, embed), b.ctx_positions,
+                                     b.block_positions, mask)
+                preds = predictions(drafter, hidden, lm_head, b.labels, b.block_input_ids, B)
+                accepted = _blocks(preds, b.labels, B)[0].view(b.labels.shape[0], -1).cpu().numpy()
+                for r, row in enumerate(rows):
+                    for j, i in enumerate(row):
+                        if not active[i]:
+                            continue
+                        n = int(accepted[r, j])
+                        steps.append(n)
+                        emitted[i] += n
+                        blocks.at[i] += n
+                        if emitted[i] >= max_new_tokens or blocks.at[i] >= last[i]:
+                            active[i] = False  # reply done: the walk is back at first[i] to keep its block real
+                            blocks.at[i] = first[i]
+                            bar.update(1)
+            bar.set_postfix(tau=f"{np.mean(steps):.3f}" if steps else "-")
+    finally:
+        drafter.train(was_training)
+        bar.close()
+    out = summarize(np.asarray(steps, dtype=np.int64), B)
+    out["num_samples"] = len(tokens)
+    out["max_new_tokens"] = max_new_tokens
+    return out
+
+
+__all__ = ["reply_span", "walk_tau"]

@@ -1,0 +1,131 @@
+"""Walk tau (dflash.train.walk): the engine's greedy walk replayed on a store of the target's own replies.
+
+A drafter whose layers write nothing (o_proj and down_proj zero) proposes one fixed token `c` at every block
+position, whatever its context: its acceptance at each anchor is known from the reply's tokens alone.  With
+it the walk is checked against a plain loop over the store's tokens (anchors, stops, the reply it follows).
+Against the lossless online eval it is compared on the real target (docs/BENCHMARKS.md, session 24).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import build_store, make_tiny_target
+
+B = 8
+WORDS = "one two three four five".split()
+
+
+def fixed_token_drafter(target_dir: Path, layer_ids, c: int, mask_token_id: int):
+    """A DFlash drafter proposing token `c` everywhere: its layers add nothing to the block's embeddings and
+    its final norm's weight maps the mask token's embedding onto lm_head's row `c`."""
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import load_embed_and_head, target_config
+
+    cfg = DrafterConfig.from_target(target_config(target_dir), num_layers=1, block_size=B,
+                                    target_layer_ids=list(layer_ids), mask_token_id=mask_token_id)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).float().eval()
+    embed, head = load_embed_and_head(target_dir)
+    embed, head = embed.float(), head.float()
+    with torch.no_grad():
+        for layer in drafter.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        x = embed[mask_token_id]
+        unit = x / x.pow(2).mean().add(cfg.rms_norm_eps).sqrt()
+        drafter.norm.weight.copy_(head[c] / unit)
+    assert int((head @ drafter.norm(x)).argmax()) == c  # what every block position proposes
+    return drafter, embed, head
+
+
+def reference_walk(ids: np.ndarray, loss_mask: np.ndarray, c: int, max_new_tokens: int) -> list[int]:
+    """The engine's steps on one reply for a drafter that proposes `c`, written out plainly."""
+    sup = np.flatnonzero(loss_mask)
+    last = int(sup[-1])
+    first = last
+    while first > 0 and loss_mask[first - 1]:
+        first -= 1
+    a, emitted, steps = first, 1, []
+    while True:
+        m = 0
+        while m < B - 1 and a + 1 + m <= last and ids[a + 1 + m] == c:
+            m += 1
+        steps.append(m + 1)
+        emitted += m + 1
+        a += m + 1
+        if emitted >= max_new_tokens or a >= last:
+            return steps
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs_store(tmp_path_factory):
+    """A store whose replies hold runs of one word: single- and multi-turn, short and long."""
+    import random
+
+    tmp = tmp_path_factory.mktemp("walk")
+    target = make_tiny_target(tmp)
+    rng = random.Random(5)
+    rows = []
+    for i in range(14):
+        reply = " ".join("two" if rng.random() < 0.7 else rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        msgs = [{"role": "user", "content": "say two"}]
+        if i % 3 == 0:  # an earlier exchange: the walk follows the last reply only
+            msgs += [{"role": "assistant", "content": "two two two"}, {"role": "user", "content": "again"}]
+        rows.append({"messages": msgs + [{"role": "assistant", "content": reply}]})
+    data = tmp / "runs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return target, build_store(tmp / "store", target, data)
+
+
+@pytest.mark.parametrize("max_new_tokens", [128, 12])
+def test_walk_matches_a_plain_loop_over_the_replies(runs_store, max_new_tokens):
+    from dflash.store import open_store
+    from dflash.target_model.capture import load_tokenizer
+    from dflash.train.walk import walk_tau
+
+    target, store_dir = runs_store
+    store = open_store(store_dir)
+    tok = load_tokenizer(target)
+    c = tok.encode(" two", add_special_tokens=False)
+    assert len(c) == 1
+    c = c[0]
+    drafter, embed, head = fixed_token_drafter(target, store.target_layer_ids, c, mask_token_id=len(tok) - 1)
+    want = []
+    for sid in store.sample_ids():
+        d = store.read(sid, fields=("input_ids", "loss_mask"))
+        want += reference_walk(d["input_ids"].numpy(), d["loss_mask"].numpy().astype(bool), c, max_new_tokens)
+    # rows of a few samples each, and micro-batches of two rows: the blocks' bookkeeping across both
+    got = walk_tau(drafter, embed, head, store, max_new_tokens=max_new_tokens, token_budget=256,
+                   rows_per_batch=2, progress=False)
+    assert got["num_samples"] == len(store)
+    assert got["num_blocks"] == len(want)
+    assert got["tau_hist"] == np.bincount(want, minlength=B + 1)[1:].tolist()
+    assert got["tau"] == pytest.approx(np.mean(want))
+    assert max(want) == B and got["tau"] > 1.2  # runs of " two" are accepted whole: a walk worth checking
+
+
+def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
+    from dflash.config import TrainConfig
+    from dflash.train.trainer import run_training
+
+    target, store = runs_store
+    cfg = TrainConfig(store=str(store), target=str(target), out=str(tmp_path / "run"), gpus="cpu:1", block_size=B,
+                      num_layers=1, steps=4, lr=3e-3, warmup_steps=1, token_budget=256, num_anchors=8, num_workers=1,
+                      compile="off", seed=0, save_every=0, eval_every=2, eval_store=str(store), eval_walk_tokens=16)
+    run_training(cfg)
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    walks = [(r["step"], r["eval_walk_tau"]) for r in recs if "eval_walk_tau" in r]
+    assert [s for s, _ in walks] == [2, 4]
+    assert all(1.0 <= t <= B for _, t in walks)
+    assert all("eval_tau" in r for r in recs if "eval_walk_tau" in r)
