@@ -129,3 +129,11 @@ def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
     assert [s for s, _ in walks] == [2, 4]
     assert all(1.0 <= t <= B for _, t in walks)
     assert all("eval_tau" in r for r in recs if "eval_walk_tau" in r)
+
+    # `dflash eval --walk` on the last checkpoint: the same walk, packed otherwise (whole samples a row)
+    from dflash.config import EvalConfig
+    from dflash.evaluate.run import run_eval
+
+    res = run_eval(EvalConfig(run=str(tmp_path / "run"), store=str(store), walk=True, max_new_tokens=16,
+                              plots=False, device="cpu", out=str(tmp_path / "eval.json")))
+    assert res["offline"]["walk"]["tau"] == pytest.approx(walks[-1][1], abs=1e-9)
