@@ -2,15 +2,16 @@
 
   1. the target stage and the stores (session 22's long.py: `all` in fp8, heldout_gen in bf16) and, beside
      them, `online_gen`: the target's own fp32 greedy replies (160 tokens at most) to the first ONLINE_ROWS
-     rows of data/heldout.jsonl (the online eval's prompts: each conversation's turns before its last
-     reply), generated one prompt at a time by GEN_PROCS processes and precomputed in bf16;
+     prompts of data/heldout.jsonl the online eval decodes (each conversation's turns before its last reply,
+     too long ones left out as it does), one prompt at a time by the GEN_GPUS processes, precomputed in
+     bf16 without truncation;
   2. the example's defaults (`DT`) alone for STEPS steps, checkpoints and held-out tau every EVERY steps,
      with `--eval-walk-tokens 128` (the walk over heldout_gen's replies: metrics eval_walk_tau);
   3. the lossless online eval of the last checkpoint (writes the reference), then `dflash eval --store
      stores/online_gen --walk` of every kept checkpoint (the walk over the online prompts' own replies),
      the last one first, then those at multiples of WALK_EVERY.
 
-Env: STEPS, EVERY, WORKERS_DT, DEADLINE, ONLINE_ROWS, GEN_PROCS, EVAL_WORKERS_FINAL, WALK_EVERY (the
+Env: STEPS, EVERY, WORKERS_DT, DEADLINE, ONLINE_ROWS, GEN_GPUS, EVAL_WORKERS_FINAL, WALK_EVERY (the
 checkpoints walked: the last, and every WALK_EVERY steps).
 """
 
@@ -26,19 +27,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "2026-12-04-session
 import long as lg  # noqa: E402  (it imports session 21's study.py as lg.s)
 
 s = lg.s
-ONLINE_ROWS = int(os.environ.get("ONLINE_ROWS", 101))
-GEN_PROCS = int(os.environ.get("GEN_PROCS", 8))
+ONLINE_ROWS = int(os.environ.get("ONLINE_ROWS", 100))  # the online eval's --max-samples
+GEN_GPUS = os.environ.get("GEN_GPUS", ",".join(["0"] * 8))  # 8 generate processes on GPU 0
 s.COMMON[s.COMMON.index("--keep-checkpoints") + 1] = "60"
 
 
 def online_gen():
     """Background: the target's replies to the online prompts (generate, then precompute online_gen)."""
-    rows = s.rows_of(s.E / "data/heldout.jsonl")[:ONLINE_ROWS]
-    (s.E / "data/online_prompts.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    from dflash.evaluate.run import load_prompts, prompt_budget
+    from dflash.target_model.capture import load_tokenizer
+
+    used: list[int] = []  # exactly the rows the online eval decodes (it leaves out prompts too long)
+    load_prompts(s.E / "data/heldout.jsonl", load_tokenizer(str(s.E / "model")), ONLINE_ROWS,
+                 prompt_budget(str(s.E / "model"), 128), [], used)
+    rows = s.rows_of(s.E / "data/heldout.jsonl")
+    (s.E / "data/online_prompts.jsonl").write_text("".join(json.dumps(rows[i], ensure_ascii=False) + "\n" for i in used))
+    s.log(f"online prompts: rows {used[:3]} ... {used[-3:]} ({len(used)})")
     return s.bg("generate_online", s.DF + ["generate", "--data", "data/online_prompts.jsonl", "--out",
                                            "data/online_gen.jsonl", "--turns", "last", "--max-new-tokens", "160",
-                                           "--dtype", "fp32", "--batch-size", "1", "--gpus", ",".join(["0"] * GEN_PROCS),
-                                           "--overwrite"])
+                                           "--dtype", "fp32", "--batch-size", "1", "--gpus", GEN_GPUS, "--overwrite"])
 
 
 def train() -> None:
@@ -79,7 +86,8 @@ def main() -> None:
     if not lg.stores():
         return s.log("driver: a store failed; stopping")
     ready = gen.wait() == 0 and s.run("precompute_online_gen", s.DF + [
-        "precompute", "--data", "data/online_gen.jsonl", "--out", "stores/online_gen", "--hidden-dtype", "bf16"], 300) == 0
+        "precompute", "--data", "data/online_gen.jsonl", "--out", "stores/online_gen", "--hidden-dtype", "bf16",
+        "--max-length", "8192"], 300) == 0  # whole histories: a cut one would lose the reply walked
     s.log(f"generate_online + precompute: {'ok' if ready else 'failed'}")
     train()
     cks = s.checkpoints("DT")
