@@ -69,9 +69,10 @@ def walks(ready: bool) -> None:
     if not ready or not cks:
         return s.log("driver: no online_gen store or no checkpoint; no walks")
     every = int(os.environ.get("WALK_EVERY", 3000))
+    # --prompts "": the example's params.yaml names prompts, and an online eval per walk would cost ~160 s
     for c in [cks[-1]] + [c for c in cks[:-1] if int(c.name.split("-")[1]) % every == 0]:
         s.run(f"walk_DT@{c.name}", s.DF + ["eval", "--run", str(c), "--store", "stores/online_gen", "--walk",
-                                            "--max-new-tokens", "128", "--no-plots", "--out",
+                                            "--prompts", "", "--max-new-tokens", "128", "--no-plots", "--out",
                                             f"eval/walk_DT@{c.name}.json"], 120)
 
 
