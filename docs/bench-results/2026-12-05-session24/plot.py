@@ -1,4 +1,4 @@
-"""Session 24's run: held-out tau, walk tau and lossless online tau against minutes of the H200 alone.
+"""Session 24's run: held-out tau, walk tau and lossless online tau against minutes of one GPU alone (an H100 in session 25).
 
     python docs/bench-results/2026-12-05-session24/plot.py OUT.png > results/curve.json
 
@@ -62,7 +62,7 @@ def main() -> None:
     ax.axhline(3.0, color="tab:red", lw=0.8, ls=":", label="the aim: online 3.0")
     ax.set_xlabel("minutes of training alone (step times summed)")
     ax.set_ylabel("tau (block 16)")
-    ax.set_title("SmolLM2-135M on ShareGPT, the example's defaults, one H200 (session 24)")
+    ax.set_title("SmolLM2-135M on ShareGPT, the example's defaults, one H100 (session 25)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
