@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dflash.drafter import attention
+from dflash.errors import StoreError
 from dflash.train import loader as L
 from dflash.train.heldout import check_store, predictions, summarize
 from dflash.train.loss import _blocks
@@ -71,7 +72,8 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
              progress: bool = True) -> dict:
     """The engine's greedy walk over each sample's last reply (module docstring).
 
-    Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist} and num_samples.
+    Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples and
+    num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked).
     """
     cfg = drafter.config
     B = cfg.block_size
@@ -83,14 +85,20 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                         rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
                         sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
-    tokens, span = {}, {}
+    tokens, span, too_long = {}, {}, 0
     for idx, sid in enumerate(sids):
         d = store.read(int(sid), fields=("input_ids", "loss_mask"))
-        T = min(len(d["input_ids"]), spec.s_shapes[-1])
-        ids, lm = d["input_ids"][:T].numpy(), d["loss_mask"][:T].numpy().astype(bool)
+        if len(d["input_ids"]) > spec.s_shapes[-1]:
+            too_long += 1  # cut to a row, it would lose the reply and walk an earlier turn instead
+            continue
+        ids, lm = d["input_ids"].numpy(), d["loss_mask"].numpy().astype(bool)
         s = reply_span(lm)
         if s is not None:
             tokens[idx], span[idx] = (ids, lm), s
+    if not tokens:
+        raise StoreError(f"walk tau: no sample of store {store.path} has a reply to walk within "
+                         f"{spec.s_shapes[-1]:,} tokens ({too_long} longer, left out whole); give a larger "
+                         "--token-budget or a store of shorter conversations.")
     blocks = _Blocks(store, spec, tokens)
     feats = L.PackedDataset(store, spec)
     feats.max_blocks = blocks.max_blocks
@@ -137,6 +145,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
         bar.close()
     out = summarize(np.asarray(steps, dtype=np.int64), B)
     out["num_samples"] = len(tokens)
+    out["num_too_long"] = too_long
     out["max_new_tokens"] = max_new_tokens
     return out
 

@@ -78,7 +78,8 @@ def runs_store(tmp_path_factory):
     rng = random.Random(5)
     rows = []
     for i in range(14):
-        reply = " ".join("two" if rng.random() < 0.7 else rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+        words = 150 if i in (0, 9) else rng.randint(3, 60)  # two longer than a 128-token row
+        reply = " ".join("two" if rng.random() < 0.7 else rng.choice(WORDS) for _ in range(words))
         msgs = [{"role": "user", "content": "say two"}]
         if i % 3 == 0:  # an earlier exchange: the walk follows the last reply only
             msgs += [{"role": "assistant", "content": "two two two"}, {"role": "user", "content": "again"}]
@@ -113,6 +114,36 @@ def test_walk_matches_a_plain_loop_over_the_replies(runs_store, max_new_tokens):
     assert got["tau_hist"] == np.bincount(want, minlength=B + 1)[1:].tolist()
     assert got["tau"] == pytest.approx(np.mean(want))
     assert max(want) == B and got["tau"] > 1.2  # runs of " two" are accepted whole: a walk worth checking
+
+
+def test_samples_longer_than_a_row_are_left_out_whole(runs_store):
+    """A sample cut to the row budget loses the reply the walk follows (its last supervised run would be an
+    earlier turn, or a reply's head taken for the whole): the walk leaves it out and counts it."""
+    from dflash.errors import StoreError
+    from dflash.store import open_store
+    from dflash.target_model.capture import load_tokenizer
+    from dflash.train.walk import walk_tau
+
+    target, store_dir = runs_store
+    store = open_store(store_dir)
+    tok = load_tokenizer(target)
+    c = tok.encode(" two", add_special_tokens=False)[0]
+    drafter, embed, head = fixed_token_drafter(target, store.target_layer_ids, c, mask_token_id=len(tok) - 1)
+    budget = 128  # one tile: the row shape is exactly this budget
+    want, too_long = [], 0
+    for sid in store.sample_ids():
+        d = store.read(sid, fields=("input_ids", "loss_mask"))
+        if len(d["input_ids"]) > budget:
+            too_long += 1
+            continue
+        want += reference_walk(d["input_ids"].numpy(), d["loss_mask"].numpy().astype(bool), c, 128)
+    assert 0 < too_long < len(store)  # both kinds present: the check can fail
+    got = walk_tau(drafter, embed, head, store, token_budget=budget, rows_per_batch=2, progress=False)
+    assert got["num_too_long"] == too_long and got["num_samples"] == len(store) - too_long
+    assert got["num_blocks"] == len(want) and got["tau"] == pytest.approx(np.mean(want))
+    assert store.lengths()[0] > budget  # the first sample alone: nothing left to walk
+    with pytest.raises(StoreError, match="no sample of store"):
+        walk_tau(drafter, embed, head, store, max_samples=1, token_budget=budget, progress=False)
 
 
 def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
