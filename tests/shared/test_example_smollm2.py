@@ -106,3 +106,35 @@ def test_target_stage_without_gguf_says_what_to_install_before_downloading(tmp_p
                        capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0 and "pip install gguf" in p.stderr and "Traceback" not in p.stderr, p.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_targets_replies():
+    """Each `dflash ...` stage of examples/smollm2/dvc.yaml parses with the CLI and builds its config from the
+    example's params (an unknown flag or key fails here, not on the GPU machine), and training measures on
+    the target's own replies: held-out tau and the walk are online tau's stand-ins only on those."""
+    import shlex
+
+    import yaml
+
+    from dflash import cli
+    from dflash.config import EvalConfig, GenerateConfig, PrecomputeConfig, TrainConfig, build_config
+
+    root = STAGE.parents[1]
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    configs = {"generate": GenerateConfig, "precompute": PrecomputeConfig, "train": TrainConfig, "eval": EvalConfig}
+    built = {}
+    for name, spec in stages.items():
+        words = shlex.split(spec["cmd"])
+        if words[0] != "dflash":
+            continue
+        cmd = cli.main.commands[words[1]]
+        flags = cmd.make_context(words[1], words[2:]).params
+        flags.pop("config", None)
+        built[name] = build_config(configs[words[1]], root / "params.yaml", flags)
+    gen, pre, train = built["generate_heldout"], built["precompute_heldout"], built["train"]
+    assert "generate" in built and "eval" in built
+    assert (gen.data, gen.turns, gen.dtype, gen.temperature) == ("data/heldout.jsonl", "last", "fp32", 0.0)
+    assert str(pre.data) == str(gen.out) and str(train.monitor.eval_store) == str(pre.out)
+    assert gen.max_new_tokens > train.monitor.eval_walk_tokens > 0  # replies not cut inside the walk
+    assert pre.max_length >= 8192 and pre.hidden_dtype == "bf16"  # whole histories, as the engine sees them
+    assert any(str(d) == str(gen.out) for d in stages["precompute_heldout"]["deps"])
