@@ -45,7 +45,8 @@ def online_gen():
     s.log(f"online prompts: rows {used[:3]} ... {used[-3:]} ({len(used)})")
     return s.bg("generate_online", s.DF + ["generate", "--data", "data/online_prompts.jsonl", "--out",
                                            "data/online_gen.jsonl", "--turns", "last", "--max-new-tokens", "160",
-                                           "--dtype", "fp32", "--batch-size", "1", "--gpus", GEN_GPUS, "--overwrite"])
+                                           "--dtype", "fp32", "--batch-size", os.environ.get("GEN_BATCH", "1"), "--gpus", GEN_GPUS,
+                                           "--overwrite"])
 
 
 def train() -> None:

@@ -1,0 +1,91 @@
+"""Session 25's plan for the next lease: a lever screen measured online by the walk.
+
+Session 25 showed, on the real target, that the walk over the online prompts' own replies reads the
+lossless eval's tau (2.3768 against 2.3757 at the same checkpoint).  So each run here evaluates on
+`stores/online_gen` itself (`--eval-store stores/online_gen --eval-walk-tokens 128`): every EVERY steps its
+metrics carry `eval_walk_tau`, the online tau of that checkpoint, at ~5 s instead of a ~200 s lossless eval.
+
+  1. the target stage, the stores (session 22's: `all` in fp8, heldout_gen in bf16) and online_gen
+     (session 24's: the target's fp32 greedy replies to the 100 online prompts, here in batches of
+     GEN_BATCH prompts: batched and one-at-a-time fp32 replies were the same on the CPU, session 25);
+  2. the runs of RUNS at once on the one GPU, each a STEPS-step cosine, until they end or DEADLINE;
+  3. FINAL (a run's name, optional): one lossless online eval of its last checkpoint, the walk's check.
+
+Runs (one change from `DT`, the example's defaults): DR `--labels rollout`; D5 `--num-layers 5`; DB
+`--block-size 8` (its tau is capped at 8); DT itself.
+
+Env: SCREEN (the runs, default DT,DR,D5), STEPS, EVERY, WORKERS (loader workers a run), DEADLINE, GEN_BATCH, FINAL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "2026-12-05-session24"))
+os.environ.setdefault("RUNS", "DT")  # study.py's own table: DT's flags are the base of every run here
+os.environ.setdefault("GEN_BATCH", "16")
+os.environ.setdefault("GEN_GPUS", "0,0,0,0")  # read when session 24's driver is imported
+import next as s24  # noqa: E402  (session 24's driver: online_gen; it imports session 22's long.py as lg)
+
+lg, s = s24.lg, s24.lg.s
+BASE = s.RUNS["DT"][1]
+RUNS = {"DT": BASE, "DR": [f if f != "target" else "rollout" for f in BASE], "D5": BASE + ["--num-layers", "5"],
+        "DB": BASE + ["--block-size", "8"]}
+NAMES = os.environ.get("SCREEN", "DT,DR,D5").split(",")
+
+STEPS = int(os.environ.get("STEPS", 12000))
+EVERY = os.environ.get("EVERY", "2000")
+
+
+def online_gen() -> bool:
+    """online_gen's replies (session 24's generate, batched here) and its store; False (logged) on failure."""
+    p = s24.online_gen()
+    if p.wait() != 0:
+        return False
+    return s.run("precompute_online_gen", s.DF + ["precompute", "--data", "data/online_gen.jsonl", "--out",
+                                                  "stores/online_gen", "--hidden-dtype", "bf16",
+                                                  "--max-length", "8192"], 300) == 0
+
+
+def screen() -> None:
+    every = ["--save-every", EVERY, "--eval-every", EVERY, "--eval-store", "stores/online_gen",
+             "--eval-walk-tokens", "128"]
+    procs = {n: s.bg(f"train_{n}", s.train_cmd(n, "all", STEPS, RUNS[n], every)) for n in NAMES}
+    while any(p.poll() is None for p in procs.values()):
+        alive = [n for n, p in procs.items() if p.poll() is None]
+        with open(s.E / "progress.log", "a") as f:  # study.py's format: collect's fair-share minutes
+            f.write(json.dumps({"t": round(time.time(), 1), "alive": alive, "evals": 0, "gpu": "",
+                                "steps": {n: s.last_step(n) for n in procs}}) + "\n")
+        if time.time() > lg.DEADLINE:
+            for n in alive:
+                s.log(f"train_{n}: stopped at the deadline (step {s.last_step(n)})")
+                s.stop(procs[n])
+        time.sleep(5)
+    for n, p in procs.items():
+        s.log(f"train_{n}: exit {p.returncode} at step {s.last_step(n)}")
+
+
+def main() -> None:
+    (s.E / "logs").mkdir(exist_ok=True)
+    (s.E / "eval").mkdir(exist_ok=True)
+    s.log(f"driver (session 25's plan): {NAMES} at once, {STEPS} steps each, walk on online_gen every {EVERY}; "
+          f"deadline {time.strftime('%H:%M:%S', time.gmtime(lg.DEADLINE))}")
+    if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
+        return s.log("driver: the target stage failed; stopping")
+    if not lg.stores() or not online_gen():
+        return s.log("driver: a store failed; stopping")
+    screen()
+    final = os.environ.get("FINAL")
+    if final and s.checkpoints(final):
+        os.environ[f"EVAL_WORKERS_{final}"] = os.environ.get("EVAL_WORKERS_FINAL", "14")
+        s.run(f"eval_{final}@{s.checkpoints(final)[-1].name}", s.eval_cmd(final, s.checkpoints(final)[-1]))
+    s.log("driver: done")
+
+
+if __name__ == "__main__":
+    lg.guarded(main)
