@@ -42,10 +42,9 @@ STEPS = int(os.environ.get("STEPS", 12000))
 EVERY = os.environ.get("EVERY", "2000")
 
 
-def online_gen() -> bool:
-    """online_gen's replies (session 24's generate, batched here) and its store; False (logged) on failure."""
-    p = s24.online_gen()
-    if p.wait() != 0:
+def online_gen_store(gen) -> bool:
+    """online_gen's store once its replies (session 24's generate, batched here) are written."""
+    if gen.wait() != 0:
         return False
     return s.run("precompute_online_gen", s.DF + ["precompute", "--data", "data/online_gen.jsonl", "--out",
                                                   "stores/online_gen", "--hidden-dtype", "bf16",
@@ -77,7 +76,8 @@ def main() -> None:
           f"deadline {time.strftime('%H:%M:%S', time.gmtime(lg.DEADLINE))}")
     if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
         return s.log("driver: the target stage failed; stopping")
-    if not lg.stores() or not online_gen():
+    gen = s24.online_gen()  # in the background, beside the two precomputes
+    if not lg.stores() or not online_gen_store(gen):
         return s.log("driver: a store failed; stopping")
     screen()
     final = os.environ.get("FINAL")
