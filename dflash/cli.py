@@ -192,6 +192,11 @@ def eval_summary(result: dict) -> str:
     if "offline" in result:
         off = result["offline"]
         lines.append(f"offline tau = {off['tau']:.3f} over {off['num_samples']} held-out samples ({off['store']})")
+        if "walk" in off:  # the engine's greedy walk over the target's own replies: online tau's stand-in
+            w = off["walk"]
+            lines.append(f"walk tau = {w['tau']:.3f} over {w['num_blocks']} steps of {w['num_samples']} replies "
+                         f"(their first {w['max_new_tokens']} tokens)"
+                         + (f"; {w['num_too_long']} longer than a row left out" if w.get("num_too_long") else ""))
     if "online" in result:
         on = result["online"]
         lines.append(f"online tau = {on['tau']:.3f} over {on['num_prompts']} prompts, speed-up "

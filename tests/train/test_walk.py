@@ -168,3 +168,7 @@ def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
     res = run_eval(EvalConfig(run=str(tmp_path / "run"), store=str(store), walk=True, max_new_tokens=16,
                               plots=False, device="cpu", out=str(tmp_path / "eval.json")))
     assert res["offline"]["walk"]["tau"] == pytest.approx(walks[-1][1], abs=1e-9)
+    from dflash.cli import eval_summary
+
+    w = res["offline"]["walk"]
+    assert f"walk tau = {w['tau']:.3f} over {w['num_blocks']} steps of {w['num_samples']} replies" in eval_summary(res)
