@@ -26,8 +26,8 @@ def agreement_note(store, labels: str) -> str:
     if found is None:
         return ""
     share, n = found
-    hint = (" (the data is not the target's own: --labels target or rollout train on what the engine verifies, "
-            "docs/DESIGN.md §3)" if labels == "data" and share < 0.9 else "")
+    hint = (" (the data is not the target's own: --labels rollout trains on what the engine verifies, "
+            "docs/DESIGN.md §3, docs/RECIPE.md)" if labels == "data" and share < 0.9 else "")
     return (f"; the data's supervised tokens equal the target's greedy token at {100 * share:.1f}% of {n:,} "
             f"positions (the first samples){hint}")
 

@@ -74,7 +74,7 @@ def test_the_split_is_seeded_and_disjoint(tmp_path):
 
 def test_the_example_params_load_as_each_command_reads_them():
     """Every section of examples/smollm2/params.yaml builds its command's config (an unknown or misplaced key
-    is an error there), and the training choices the recipe rests on hold together: target labels need the
+    is an error there), and the training choices the recipe rests on hold together: rollout labels need the
     store's top-k."""
     from dflash.config import EvalConfig, GenerateConfig, PrecomputeConfig, TrainConfig, build_config
 
@@ -83,7 +83,7 @@ def test_the_example_params_load_as_each_command_reads_them():
     train = build_config(TrainConfig, params, {})
     build_config(GenerateConfig, params, {})
     build_config(EvalConfig, params, {})
-    assert (train.drafter.arch, train.objective.loss, train.data.labels) == ("dflash2", "dpace", "target")
+    assert (train.drafter.arch, train.objective.loss, train.data.labels) == ("dflash2", "dpace", "rollout")
     assert pre.topk > 0 and pre.hidden_dtype == "fp8"
     assert train.drafter.block_size == 16 and train.job.store == pre.out
 

@@ -428,4 +428,4 @@ def test_banner_states_the_host_memory_of_batch_slots(counting, tmp_path, capsys
 
     share, n = target_agreement(s)
     assert f"the data's supervised tokens equal the target's greedy token at {100 * share:.1f}% of {n:,} positions" in err
-    assert ("--labels target or rollout train on what the engine verifies" in err) == (share < 0.9)
+    assert ("--labels rollout trains on what the engine verifies" in err) == (share < 0.9)
