@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 import tarfile
@@ -25,13 +26,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "2026-12-05-session23"))
 from plot import curve, member  # noqa: E402
 
+RUN = os.environ.get("RUN", "DT")  # the run to plot (RUN=DR for session 26's plan)
+
 
 def evals(tar: Path) -> tuple[dict, dict]:
     """({step: lossless online tau}, {step: walk tau on online_gen}) from the driver's eval JSONs."""
     online, walk = {}, {}
     with tarfile.open(tar) as t:
         for m in t.getmembers():
-            hit = re.search(r"(walk_)?DT@step-(\d+)\.json$", m.name)
+            hit = re.search(rf"(walk_)?{RUN}@step-(\d+)\.json$", m.name)
             if not hit:
                 continue
             d = json.load(io.TextIOWrapper(t.extractfile(m), encoding="utf-8"))
@@ -46,7 +49,7 @@ def evals(tar: Path) -> tuple[dict, dict]:
 def main() -> None:
     out = Path(sys.argv[1])
     tar = Path(sys.argv[2]) if len(sys.argv) > 2 else HERE / "results/detail.tar.xz"
-    rows = member(tar, "./metrics/DT.jsonl")
+    rows = member(tar, f"./metrics/{RUN}.jsonl")
     minutes, xh, yh = curve(rows)
     wx = [(minutes[r["step"]], r["eval_walk_tau"]) for r in rows if "eval_walk_tau" in r]
     online, walk = evals(tar)
@@ -62,7 +65,7 @@ def main() -> None:
     ax.axhline(3.0, color="tab:red", lw=0.8, ls=":", label="the aim: online 3.0")
     ax.set_xlabel("minutes of training alone (step times summed)")
     ax.set_ylabel("tau (block 16)")
-    ax.set_title("SmolLM2-135M on ShareGPT, the example's defaults, one H100 (session 25)")
+    ax.set_title(os.environ.get("TITLE", "SmolLM2-135M on ShareGPT, the example's defaults, one H100 (session 25)"))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
