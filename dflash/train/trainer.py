@@ -293,16 +293,18 @@ class Trainer:
         if self.eval_store is None:  # its manifest was checked by preflight
             self.eval_store = open_store(self.cfg.monitor.eval_store, require_complete=True)
         spec, fn = self.run.spec, self.step_fn
+        t0 = time.perf_counter()  # each part ends in a host copy of its result, so the clock sees the GPU's time
         res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.data.num_anchors,
                           seed=self.cfg.job.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
                           progress=False)
-        out = {"eval_tau": res["tau"], "eval_acc": res.get("accuracy")}
+        out = {"eval_tau": res["tau"], "eval_acc": res.get("accuracy"), "eval_s": time.perf_counter() - t0}
         if self.cfg.monitor.eval_walk_tokens:
             from dflash.train.walk import walk_tau
 
+            t0 = time.perf_counter()
             walk = walk_tau(fn.raw, fn.embed, fn.head, self.eval_store, max_new_tokens=self.cfg.monitor.eval_walk_tokens,
                             token_budget=spec.token_budget, rows_per_batch=spec.rows_per_batch, progress=False)
-            out["eval_walk_tau"] = walk["tau"]
+            out.update(eval_walk_tau=walk["tau"], eval_walk_s=time.perf_counter() - t0)
         return out
 
     def _barrier(self) -> None:

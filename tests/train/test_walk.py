@@ -160,6 +160,7 @@ def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
     assert [s for s, _ in walks] == [2, 4]
     assert all(1.0 <= t <= B for _, t in walks)
     assert all("eval_tau" in r for r in recs if "eval_walk_tau" in r)
+    assert all(r["eval_s"] > 0 and r["eval_walk_s"] > 0 for r in recs if "eval_walk_tau" in r)  # what each costs
 
     # `dflash eval --walk` on the last checkpoint: the same walk, packed otherwise (whole samples a row)
     from dflash.config import EvalConfig
