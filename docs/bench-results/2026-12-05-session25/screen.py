@@ -12,7 +12,8 @@ metrics carry `eval_walk_tau`, the online tau of that checkpoint, at ~5 s instea
   3. FINAL (a run's name, optional): one lossless online eval of its last checkpoint, the walk's check.
 
 Runs (one change from `DT`, the example's defaults): DR `--labels rollout`; D5 `--num-layers 5`; DB
-`--block-size 8` (its tau is capped at 8); DT itself.
+`--block-size 8` (its tau is capped at 8); DT itself.  Since session 26 (DR is the example's): DR1 DR's
+second seed, D5R and DBR (5 layers, block 8, each on top of DR).
 
 Env: SCREEN (the runs, default DT,DR,D5), STEPS, EVERY, WORKERS (loader workers a run), DEADLINE, GEN_BATCH, FINAL,
 FINAL_BY (epoch seconds: FINAL's eval is skipped unless it would end by then).
@@ -37,6 +38,9 @@ lg, s = s24.lg, s24.lg.s
 BASE = s.RUNS["DT"][1]
 RUNS = {"DT": BASE, "DR": [f if f != "target" else "rollout" for f in BASE], "D5": BASE + ["--num-layers", "5"],
         "DB": BASE + ["--block-size", "8"]}
+# Session 26 made DR the example's defaults; the levers on top of it, for a later screen:
+RUNS.update({"DR1": RUNS["DR"] + ["--seed", "1"], "D5R": RUNS["DR"] + ["--num-layers", "5"],
+             "DBR": RUNS["DR"] + ["--block-size", "8"]})
 NAMES = os.environ.get("SCREEN", "DT,DR,D5").split(",")
 
 STEPS = int(os.environ.get("STEPS", 12000))
