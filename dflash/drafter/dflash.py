@@ -257,21 +257,30 @@ class DFlashDrafter(nn.Module):
         # product, and with the trainer's power-of-two scales the same bits in any dtype.
         return self.hidden_norm(F.linear(ctx_hidden, self.fc.weight * self.context_scale))
 
-    def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
+    def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask, ctx_kv=None) -> torch.Tensor:
         """ctx_hidden [R,S,L*H], block_embeds [R,Q,H], positions [R,S] / [R,Q], mask: BlockMask or
         bool [R,1,Q,S+Q] or TiledMask (dflash.drafter.attention.mask_for), or {layer type: either} for a
-        drafter with sliding layers -> hidden states [R,Q,H] after the final norm."""
-        self._check_features(ctx_hidden)
-        if not ctx_hidden.is_cuda and torch.is_grad_enabled():
+        drafter with sliding layers -> hidden states [R,Q,H] after the final norm.  `ctx_kv`, the
+        context's keys and values from `context_kv` (then ctx_hidden and ctx_positions are unused): for a
+        caller that runs many blocks against one context, as the walk does."""
+        if not block_embeds.is_cuda and torch.is_grad_enabled():
             mask = attention.for_backward(mask)
-        ctx = self._context(ctx_hidden)
-        ctx_rope = self.rotary_emb(ctx_positions)
+        if ctx_kv is None:
+            self._check_features(ctx_hidden)
+            ctx, ctx_rope = self._context(ctx_hidden), self.rotary_emb(ctx_positions)
         block_rope = self.rotary_emb(block_positions)
         h = block_embeds.to(self.norm.weight.dtype)  # residual stream in the parameters' dtype
-        for layer, kind in zip(self.layers, self.config.layer_types):
-            ctx_kv = layer.self_attn.project_kv(ctx, ctx_rope)
-            h = layer(h, ctx_kv, block_rope, attention.layer_mask(mask, kind))
+        for i, (layer, kind) in enumerate(zip(self.layers, self.config.layer_types)):
+            kv = ctx_kv[i] if ctx_kv is not None else layer.self_attn.project_kv(ctx, ctx_rope)
+            h = layer(h, kv, block_rope, attention.layer_mask(mask, kind))
         return self.norm(h)
+
+    def context_kv(self, ctx_hidden, ctx_positions) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's context keys and values [R, kvh, S, hd], as forward computes them: they depend on
+        the context alone, so blocks drafted again and again against one context can share them."""
+        self._check_features(ctx_hidden)
+        ctx, rope = self._context(ctx_hidden), self.rotary_emb(ctx_positions)
+        return [layer.self_attn.project_kv(ctx, rope) for layer in self.layers]
 
     def new_cache(self) -> DraftCache:
         return DraftCache(len(self.layers))

@@ -206,10 +206,10 @@ class DFlash2Drafter(DFlashDrafter):
         for m in own:
             m.reset_parameters()
 
-    def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask) -> torch.Tensor:
+    def forward(self, ctx_hidden, block_embeds, ctx_positions, block_positions, mask, ctx_kv=None) -> torch.Tensor:
         s = self.config.input_embedding_scale
         return super().forward(ctx_hidden, block_embeds * s if s != 1.0 else block_embeds, ctx_positions,
-                               block_positions, mask)
+                               block_positions, mask, ctx_kv)
 
     def forward_step(self, new_ctx_hidden, block_embeds, ctx_positions, block_positions, cache):
         s = self.config.input_embedding_scale

@@ -15,7 +15,8 @@ easy stretch in a few steps and a hard one in many, so its tau is lower than the
 differs from the lossless eval's only through floating point: features computed over the whole reply
 against the engine's incremental ones, and replies generated in another dtype than the eval's.
 
-Each micro-batch's context features are read once and stay on the device; a step rebuilds the blocks.
+Each micro-batch's context is read once and its keys and values (`context_kv`, each layer's) stay on the
+device; a step rebuilds only the blocks and runs the drafter on them against those.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     device = next(drafter.parameters()).device
     longest = int(store.lengths().max())
     budget = token_budget or L.round_up(longest)
-    spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=L.round_up(budget),
+    # One block a sample: a row's block stream is one tile (up to 128 / B samples a row), not padded to the
+    # context's length, or every step would run the drafter on ~1,000 padded block tokens a row.
+    spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=L.round_up(B),
                         rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
                         sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
@@ -108,7 +111,6 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     blocks.at[:] = first
     emitted = np.ones(len(first), dtype=np.int64)  # the prefill's token
     active = blocks.max_blocks.astype(bool)
-    ctx = [feats.build(0, rows).to(device).dequantised().ctx_hidden for rows in plan]
     embed, lm_head = embed.to(device), lm_head.to(device)
     steps: list[int] = []
     was_training = drafter.training
@@ -116,15 +118,20 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     bar = tqdm(total=int(active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
     try:
+        ctx = []
+        for rows in plan:
+            mb = feats.build(0, rows).to(device).dequantised()
+            with autocast:
+                ctx.append(drafter.context_kv(mb.ctx_hidden, mb.ctx_positions))
         while active.any():
-            for rows, hidden_ctx in zip(plan, ctx):
+            for rows, ctx_kv in zip(plan, ctx):
                 if not any(active[r].any() for r in rows):
                     continue
                 b = blocks.build(0, rows).to(device)
                 mask = attention.mask_for(b.mask, device)
                 with autocast:
-                    hidden = drafter(hidden_ctx, F.embedding(b.block_input_ids, embed), b.ctx_positions,
-                                     b.block_positions, mask)
+                    hidden = drafter(None, F.embedding(b.block_input_ids, embed), None, b.block_positions, mask,
+                                     ctx_kv=ctx_kv)
                 preds = predictions(drafter, hidden, lm_head, b.labels, b.block_input_ids, B)
                 accepted = _blocks(preds, b.labels, B)[0].view(b.labels.shape[0], -1).cpu().numpy()
                 for r, row in enumerate(rows):

@@ -157,6 +157,21 @@ def test_forward_matches_the_engines_dense_computation():
         assert ref.abs().max() > 0.5  # not a vacuous comparison of near-zero outputs
 
 
+def test_dflash2_takes_the_context_kv_computed_once():
+    """DFlash2's forward (its embedding scale, its convolved layers) passes the shared context keys and
+    values through: the same output as from the context features."""
+    drafter = random_dflash2(seed=2, input_embedding_scale=1.5)
+    T, anchors = 128, [5, 23]
+    ctx, embeds = torch.randn(1, T, 2 * drafter.config.hidden_size), torch.randn(1, T, drafter.config.hidden_size)
+    pos, block_pos = torch.arange(T).view(1, -1), torch.zeros(1, T, dtype=torch.long)
+    block_pos[0, : 2 * B] = torch.cat([torch.arange(a, a + B) for a in anchors])
+    mask = masks.to_dense_mask(masks.mask_metadata([0], [S], [0, 0], anchors, B, T, T))
+    with torch.no_grad():
+        want = drafter(ctx, embeds, pos, block_pos, mask)
+        got = drafter(None, embeds, None, block_pos, mask, ctx_kv=drafter.context_kv(ctx, pos))
+    assert torch.equal(got, want) and want.abs().max() > 0.5
+
+
 def test_fresh_dflash2_computes_what_dflash_computes():
     """Identity convolutions and a zero successor codebook at init (SpecForge's init): a new DFlash2 drafter
     is the DFlash drafter of the same weights, and its selector keeps the lm_head's argmax."""

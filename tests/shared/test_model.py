@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from dflash.drafter import DFlashDrafter, DrafterConfig, masks
+from dflash.drafter import DFlashDrafter, DrafterConfig, attention, masks
 from dflash.drafter.dflash import DraftCache, drafter_logits, state_dict_keys
 
 torch.set_num_threads(1)
@@ -116,6 +116,23 @@ def test_forward_matches_plain_reference(B):
             sl = slice(j * B, (j + 1) * B)
             ref = reference_block(m, ctx_hidden[r, st:st + a], ctx_pos[r, st:st + a], emb[r, sl], blk_pos[r, sl])
             torch.testing.assert_close(dense[r, sl], ref, atol=5e-5, rtol=5e-5)
+
+
+def test_context_kv_computed_once_gives_the_same_blocks():
+    """The walk computes each context's keys and values once (`context_kv`) and drafts block after block
+    against them: the forward must give exactly what it gives from the context features."""
+    B = 4
+    m = make_drafter(block_size=B)
+    _, meta, ctx_hidden, emb, ctx_pos, blk_pos = packed_batch(B)
+    with torch.no_grad():
+        kv = m.context_kv(ctx_hidden, ctx_pos)
+        for mask in (masks.to_dense_mask(meta), attention.to_tiled_mask(meta)):
+            want = m(ctx_hidden, emb, ctx_pos, blk_pos, mask)
+            assert torch.equal(m(None, emb, None, blk_pos, mask, ctx_kv=kv), want)
+        other = m(ctx_hidden, emb, ctx_pos, blk_pos, masks.to_dense_mask(meta),
+                  ctx_kv=m.context_kv(ctx_hidden.flip(1), ctx_pos))
+    assert [k.shape for k, _ in kv] == [(2, NKV, ctx_hidden.shape[1], HD)] * len(m.layers)
+    assert not torch.allclose(other, want)  # the keys and values given are the ones used
 
 
 def test_flex_and_sdpa_gradients_agree():
