@@ -1,7 +1,7 @@
 """What the walk (training's `eval_walk_tau`) costs at each micro-batch size, on one checkpoint and store.
 
     python bench/walk_speed.py RUN STORE --target DIR [--rows 8,32,128] [--token-budget 4096]
-        [--max-new-tokens 128] [--repeat 2] [--compile] [--out walk_speed.json]
+        [--block-budget N] [--max-new-tokens 128] [--repeat 2] [--compile] [--out walk_speed.json]
 
 Loads the drafter of RUN (a run or checkpoint directory) and times `dflash.train.walk.walk_tau` over STORE
 (the target's own greedy replies) with `rows_per_batch` at each value of --rows: the rows of context one
@@ -32,7 +32,7 @@ def timed(drafter, embed, head, store, rows: int, a) -> tuple[float, dict]:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     res = walk_tau(drafter, embed, head, store, max_new_tokens=a.max_new_tokens, token_budget=a.token_budget,
-                   rows_per_batch=rows, progress=False)
+                   rows_per_batch=rows, block_budget=a.block_budget, progress=False)
     return time.perf_counter() - t0, res  # walk_tau ends in host copies of its results: the GPU is done
 
 
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--block-budget", type=int, default=None,
+                    help="block tokens a row; the token budget reproduces the walk before session 26 (padded)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,7 +58,7 @@ def main() -> None:
     embed, head = load_embed_and_head(a.target)
     store = open_store(a.store, require_complete=True)
     out = {"checkpoint": str(ckpt), "store": a.store, "device": torch.cuda.get_device_name() if device.type == "cuda"
-           else "cpu", "token_budget": a.token_budget, "max_new_tokens": a.max_new_tokens, "compile": a.compile,
+           else "cpu", "token_budget": a.token_budget, "block_budget": a.block_budget, "max_new_tokens": a.max_new_tokens, "compile": a.compile,
            "sizes": {}}
     for rows in [int(r) for r in a.rows.split(",")]:
         first, res = timed(drafter, embed, head, store, rows, a)

@@ -70,9 +70,10 @@ class _Blocks(L.PackedDataset):
 @torch.no_grad()
 def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
              max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
-             progress: bool = True) -> dict:
+             block_budget: int | None = None, progress: bool = True) -> dict:
     """The engine's greedy walk over each sample's last reply (module docstring).
 
+    `block_budget`: block tokens a row (default one tile; bench/walk_speed.py compares larger ones).
     Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples and
     num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked).
     """
@@ -84,7 +85,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     budget = token_budget or L.round_up(longest)
     # One block a sample: a row's block stream is one tile (up to 128 / B samples a row), not padded to the
     # context's length, or every step would run the drafter on ~1,000 padded block tokens a row.
-    spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=L.round_up(B),
+    spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=block_budget or L.round_up(B),
                         rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
                         sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
