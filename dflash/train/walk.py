@@ -67,6 +67,27 @@ class _Blocks(L.PackedDataset):
         return False
 
 
+def _replies(store, sids, row: int) -> tuple[dict, dict, int]:
+    """({idx: (input_ids, loss_mask)}, {idx: reply_span}, how many were longer than `row`) of the samples
+    `sids` (idx: the position in sids) with a reply to walk; a longer sample is left out whole, since cut
+    to the row it would lose the reply and walk an earlier turn instead."""
+    tokens, span, too_long = {}, {}, 0
+    for idx, sid in enumerate(sids):
+        d = store.read(int(sid), fields=("input_ids", "loss_mask"))
+        if len(d["input_ids"]) > row:
+            too_long += 1
+            continue
+        ids, lm = d["input_ids"].numpy(), d["loss_mask"].numpy().astype(bool)
+        s = reply_span(lm)
+        if s is not None:
+            tokens[idx], span[idx] = (ids, lm), s
+    if not tokens:
+        raise StoreError(f"walk tau: no sample of store {store.path} has a reply to walk within {row:,} tokens "
+                         f"({too_long} longer, left out whole); give a larger --token-budget or a store of "
+                         "shorter conversations.")
+    return tokens, span, too_long
+
+
 @torch.no_grad()
 def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
              max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
@@ -89,20 +110,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                         rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
                         sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
-    tokens, span, too_long = {}, {}, 0
-    for idx, sid in enumerate(sids):
-        d = store.read(int(sid), fields=("input_ids", "loss_mask"))
-        if len(d["input_ids"]) > spec.s_shapes[-1]:
-            too_long += 1  # cut to a row, it would lose the reply and walk an earlier turn instead
-            continue
-        ids, lm = d["input_ids"].numpy(), d["loss_mask"].numpy().astype(bool)
-        s = reply_span(lm)
-        if s is not None:
-            tokens[idx], span[idx] = (ids, lm), s
-    if not tokens:
-        raise StoreError(f"walk tau: no sample of store {store.path} has a reply to walk within "
-                         f"{spec.s_shapes[-1]:,} tokens ({too_long} longer, left out whole); give a larger "
-                         "--token-budget or a store of shorter conversations.")
+    tokens, span, too_long = _replies(store, sids, spec.s_shapes[-1])
     blocks = _Blocks(store, spec, tokens)
     feats = L.PackedDataset(store, spec)
     feats.max_blocks = blocks.max_blocks
