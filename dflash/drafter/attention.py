@@ -41,6 +41,11 @@ def mask_for(meta: dict[str, torch.Tensor], device: torch.device, compiled: bool
     return to_dense_mask(meta) if compiled else to_tiled_mask(meta)
 
 
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether `module.compile()` compiled it in place (what the evals pass to mask_for as `compiled`)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def for_backward(mask):
     """`mask` as a CPU forward with gradients can use it: flex_attention has no backward on the CPU, so a
     BlockMask (or a {layer type: BlockMask} dict) becomes the dense mask SDPA applies the same way."""

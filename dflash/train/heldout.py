@@ -85,8 +85,11 @@ def predictions(drafter, hidden: torch.Tensor, lm_head: torch.Tensor, labels: to
 @torch.no_grad()
 def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, num_anchors: int = 64,
                 seed: int = 0, max_samples: int | None = None, token_budget: int | None = None,
-                block_budget: int | None = None, progress: bool = True) -> dict:
+                block_budget: int | None = None, num_shapes: int = 3, progress: bool = True) -> dict:
     """Greedy acceptance length of `drafter` on a held-out store (docs/DESIGN.md §3, §6).
+
+    num_shapes: padded (context, block) shapes per stream (LoaderSpec); a compiled drafter compiles each
+    one it meets, so training passes 1 for its evals (padding changes no result).
 
     embed / lm_head: the target's frozen [V, H] tensors (they are moved to the drafter's device).
     Anchors come from dflash.train.loader with (seed, epoch 0): the same blocks for every checkpoint.
@@ -107,6 +110,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
         rows_per_batch=1,
         mask_token_id=cfg.mask_token_id,
         seed=seed,
+        num_shapes=num_shapes,
         sliding_window=cfg.sliding_window if cfg.has_sliding else None,  # the training masks, per layer
     )
     ds = L.PackedDataset(store, spec)
@@ -128,7 +132,7 @@ def offline_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, n
                     break
             b = ds.build(0, rows).to(device).dequantised()
             n_samples += b.num_samples
-            mask = attention.mask_for(b.mask, device)
+            mask = attention.mask_for(b.mask, device, compiled=attention.is_compiled(drafter))
             with autocast:
                 hidden = drafter(b.ctx_hidden, F.embedding(b.block_input_ids, embed), b.ctx_positions,
                                  b.block_positions, mask)

@@ -294,16 +294,20 @@ class Trainer:
             self.eval_store = open_store(self.cfg.monitor.eval_store, require_complete=True)
         spec, fn = self.run.spec, self.step_fn
         t0 = time.perf_counter()  # each part ends in a host copy of its result, so the clock sees the GPU's time
+        # A compiled drafter compiles every padded shape an eval meets (~30 s each on an H100): one shape
+        # each, at the budgets, costs the evals a little padding instead (docs/BENCHMARKS.md, session 27).
+        shapes = 1 if fn.compiled else spec.num_shapes
         res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.data.num_anchors,
                           seed=self.cfg.job.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
-                          progress=False)
+                          num_shapes=shapes, progress=False)
         out = {"eval_tau": res["tau"], "eval_acc": res.get("accuracy"), "eval_s": time.perf_counter() - t0}
         if self.cfg.monitor.eval_walk_tokens:
             from dflash.train.walk import walk_tau
 
             t0 = time.perf_counter()
             walk = walk_tau(fn.raw, fn.embed, fn.head, self.eval_store, max_new_tokens=self.cfg.monitor.eval_walk_tokens,
-                            token_budget=spec.token_budget, rows_per_batch=spec.rows_per_batch, progress=False)
+                            token_budget=spec.token_budget, rows_per_batch=spec.rows_per_batch, num_shapes=shapes,
+                            progress=False)
             out.update(eval_walk_tau=walk["tau"], eval_walk_s=time.perf_counter() - t0)
         return out
 

@@ -91,10 +91,11 @@ def _replies(store, sids, row: int) -> tuple[dict, dict, int]:
 @torch.no_grad()
 def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
              max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
-             block_budget: int | None = None, progress: bool = True) -> dict:
+             block_budget: int | None = None, num_shapes: int = 3, progress: bool = True) -> dict:
     """The engine's greedy walk over each sample's last reply (module docstring).
 
     `block_budget`: block tokens a row (default one tile; bench/walk_speed.py compares larger ones).
+    `num_shapes`: padded context shapes (LoaderSpec); a compiled drafter compiles each one it meets.
     Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples and
     num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked).
     """
@@ -107,7 +108,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     # One block a sample: a row's block stream is one tile (up to 128 / B samples a row), not padded to the
     # context's length, or every step would run the drafter on ~1,000 padded block tokens a row.
     spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=block_budget or L.round_up(B),
-                        rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0,
+                        rows_per_batch=rows_per_batch, mask_token_id=cfg.mask_token_id, seed=0, num_shapes=num_shapes,
                         sliding_window=cfg.sliding_window if cfg.has_sliding else None)
     sids = store.sample_ids()[:max_samples] if max_samples is not None else store.sample_ids()
     tokens, span, too_long = _replies(store, sids, spec.s_shapes[-1])
@@ -137,7 +138,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                 if not any(active[r].any() for r in rows):
                     continue
                 b = blocks.build(0, rows).to(device)
-                mask = attention.mask_for(b.mask, device)
+                mask = attention.mask_for(b.mask, device, compiled=attention.is_compiled(drafter))
                 with autocast:
                     hidden = drafter(None, F.embedding(b.block_input_ids, embed), None, b.block_positions, mask,
                                      ctx_kv=ctx_kv)

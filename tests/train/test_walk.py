@@ -173,3 +173,43 @@ def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
 
     w = res["offline"]["walk"]
     assert f"walk tau = {w['tau']:.3f} over {w['num_blocks']} steps of {w['num_samples']} replies" in eval_summary(res)
+
+
+def test_evals_at_one_padded_shape_give_the_same_taus_and_compile_once(runs_store):
+    """Training's evals of a compiled drafter use one padded shape (num_shapes=1): every shape a compiled
+    drafter meets is a compilation (~30 s on an H100).  Padding must change no tau, and the walk of a
+    compiled drafter must then compile one graph where, with three shapes, it compiles one a shape."""
+    from torch._dynamo.utils import counters
+
+    from dflash.store import open_store
+    from dflash.target_model.capture import load_tokenizer
+    from dflash.train.heldout import offline_tau
+    from dflash.train.walk import walk_tau
+
+    target, store_dir = runs_store
+    store = open_store(store_dir)
+    tok = load_tokenizer(target)
+    c = tok.encode(" two", add_special_tokens=False)[0]
+    drafter, embed, head = fixed_token_drafter(target, store.target_layer_ids, c, mask_token_id=len(tok) - 1)
+    budget = 256  # rows of 1-4 replies: some fill 256 tokens, some fit 128 (the shapes at this budget)
+
+    def walk(n: int):
+        return walk_tau(drafter, embed, head, store, token_budget=budget, rows_per_batch=1, num_shapes=n,
+                        progress=False)
+
+    def compiled_graphs(n: int) -> tuple[int, dict]:
+        torch._dynamo.reset()
+        drafter.compile(dynamic=False)
+        before = counters["stats"]["unique_graphs"]
+        res = walk(n)
+        return counters["stats"]["unique_graphs"] - before, res
+
+    w3, w1 = walk(3), walk(1)
+    assert w1["tau_hist"] == w3["tau_hist"] and w1["num_blocks"] == w3["num_blocks"] > 0
+    o3, o1 = (offline_tau(drafter, embed, head, store, num_anchors=8, token_budget=budget, block_budget=budget,
+                          num_shapes=n, progress=False) for n in (3, 1))
+    assert o1["tau_hist"] == o3["tau_hist"] and o1["tau"] == pytest.approx(o3["tau"])
+
+    (g3, c3), (g1, c1) = compiled_graphs(3), compiled_graphs(1)
+    assert g3 > 1 and g1 == 1
+    assert c3["tau_hist"] == c1["tau_hist"] == w3["tau_hist"]
