@@ -15,6 +15,11 @@ Runs (one change from `DT`, the example's defaults): DR `--labels rollout`; D5 `
 `--block-size 8` (its tau is capped at 8); DT itself.  Since session 26 (DR is the example's): DR1 DR's
 second seed, D5R and DBR (5 layers, block 8, each on top of DR).
 
+Since session 27: D4K, DR on a store of the first 4,000 training conversations (`stores/4k`, written
+beside the others when a run needs it), for the 4K-against-17K lever; and the deadline can be moved
+while the driver runs: `echo EPOCH_SECONDS > /root/ex/deadline` (session 27's was set too early and
+the driver had to be killed to let its run finish).
+
 Env: SCREEN (the runs, default DT,DR,D5), STEPS, EVERY, WORKERS (loader workers a run), DEADLINE, GEN_BATCH, FINAL,
 FINAL_BY (epoch seconds: FINAL's eval is skipped unless it would end by then).
 """
@@ -41,6 +46,8 @@ RUNS = {"DT": BASE, "DR": [f if f != "target" else "rollout" for f in BASE], "D5
 # Session 26 made DR the example's defaults; the levers on top of it, for a later screen:
 RUNS.update({"DR1": RUNS["DR"] + ["--seed", "1"], "D5R": RUNS["DR"] + ["--num-layers", "5"],
              "DBR": RUNS["DR"] + ["--block-size", "8"]})
+RUNS["D4K"] = RUNS["DR"]
+STORE = {"D4K": "4k"}  # every other run trains on `all`
 NAMES = os.environ.get("SCREEN", "DT,DR,D5").split(",")
 
 STEPS = int(os.environ.get("STEPS", 12000))
@@ -56,16 +63,34 @@ def online_gen_store(gen) -> bool:
                                                   "--max-length", "8192"], 300) == 0
 
 
+def store_4k() -> bool:
+    """`stores/4k`: the first 4,000 of the (seeded, shuffled) training conversations, as `all` is written."""
+    if not any(STORE.get(n) == "4k" for n in NAMES):
+        return True
+    with open(s.E / "data/train.jsonl") as f, open(s.E / "data/train_4k.jsonl", "w") as out:
+        out.writelines(line for _, line in zip(range(4000), f))
+    return s.run("precompute_4k", s.DF + ["precompute", "--data", "data/train_4k.jsonl", "--out", "stores/4k"]
+                 + s.ALL_ARGS, 300) == 0
+
+
+def deadline() -> float:
+    """DEADLINE, or the epoch seconds in /root/ex/deadline once a call writes them there."""
+    try:
+        return float((s.E / "deadline").read_text())
+    except (OSError, ValueError):
+        return lg.DEADLINE
+
+
 def screen() -> None:
     every = ["--save-every", EVERY, "--eval-every", EVERY, "--eval-store", "stores/online_gen",
              "--eval-walk-tokens", "128"]
-    procs = {n: s.bg(f"train_{n}", s.train_cmd(n, "all", STEPS, RUNS[n], every)) for n in NAMES}
+    procs = {n: s.bg(f"train_{n}", s.train_cmd(n, STORE.get(n, "all"), STEPS, RUNS[n], every)) for n in NAMES}
     while any(p.poll() is None for p in procs.values()):
         alive = [n for n, p in procs.items() if p.poll() is None]
         with open(s.E / "progress.log", "a") as f:  # study.py's format: collect's fair-share minutes
             f.write(json.dumps({"t": round(time.time(), 1), "alive": alive, "evals": 0, "gpu": "",
                                 "steps": {n: s.last_step(n) for n in procs}}) + "\n")
-        if time.time() > lg.DEADLINE:
+        if time.time() > deadline():
             for n in alive:
                 s.log(f"train_{n}: stopped at the deadline (step {s.last_step(n)})")
                 s.stop(procs[n])
@@ -82,7 +107,7 @@ def main() -> None:
     if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
         return s.log("driver: the target stage failed; stopping")
     gen = s24.online_gen()  # in the background, beside the two precomputes
-    if not lg.stores() or not online_gen_store(gen):
+    if not lg.stores() or not store_4k() or not online_gen_store(gen):
         return s.log("driver: a store failed; stopping")
     screen()
     final = os.environ.get("FINAL")
