@@ -294,8 +294,8 @@ class Trainer:
             self.eval_store = open_store(self.cfg.monitor.eval_store, require_complete=True)
         spec, fn = self.run.spec, self.step_fn
         t0 = time.perf_counter()  # each part ends in a host copy of its result, so the clock sees the GPU's time
-        # A compiled drafter compiles every padded shape an eval meets (~30 s each on an H100): one shape
-        # each, at the budgets, costs the evals a little padding instead (docs/BENCHMARKS.md, session 27).
+        # A compiled drafter compiles every padded shape an eval meets, each a long pause in a short run:
+        # one shape each, at the budgets, costs the evals a little padding instead (DESIGN §3).
         shapes = 1 if fn.compiled else spec.num_shapes
         res = offline_tau(fn.raw, fn.embed, fn.head, self.eval_store, num_anchors=self.cfg.data.num_anchors,
                           seed=self.cfg.job.seed, token_budget=spec.token_budget, block_budget=spec.block_budget,
