@@ -15,7 +15,8 @@ Runs (one change from `DT`, the example's defaults): DR `--labels rollout`; D5 `
 `--block-size 8` (its tau is capped at 8); DT itself.  Since session 26 (DR is the example's): DR1 DR's
 second seed, D5R and DBR (5 layers, block 8, each on top of DR).
 
-Since session 27: D4K, DR on a store of the first 4,000 training conversations (`stores/4k`, written
+Since session 27: D5RS, D5R with one padded training shape (`--num-shapes 1`: the same batches, one
+compilation instead of four); D4K, DR on a store of the first 4,000 training conversations (`stores/4k`, written
 beside the others when a run needs it), for the 4K-against-17K lever; and the deadline can be moved
 while the driver runs: `echo EPOCH_SECONDS > /root/ex/deadline` (session 27's was set too early and
 the driver had to be killed to let its run finish).
@@ -47,6 +48,7 @@ RUNS = {"DT": BASE, "DR": [f if f != "target" else "rollout" for f in BASE], "D5
 RUNS.update({"DR1": RUNS["DR"] + ["--seed", "1"], "D5R": RUNS["DR"] + ["--num-layers", "5"],
              "DBR": RUNS["DR"] + ["--block-size", "8"]})
 RUNS["D4K"] = RUNS["DR"]
+RUNS["D5RS"] = RUNS["D5R"] + ["--num-shapes", "1"]  # one compiled training shape: the same steps, less start-up
 STORE = {"D4K": "4k"}  # every other run trains on `all`
 NAMES = os.environ.get("SCREEN", "DT,DR,D5").split(",")
 

@@ -4,6 +4,9 @@ beside session 26's screen (rollout against target labels, 12,000-step cosines) 
 `--labels target` run (its lossless online point).
 
     python docs/bench-results/2026-12-05-session27/plot.py OUT.png > results/curve.json
+    RUN=D5RS TAR=later/detail.tar.xz python docs/bench-results/2026-12-05-session27/plot.py OUT.png
+
+With RUN and TAR, a later run's metrics (whole: every step's time) are drawn too, against the same axes.
 
 Minutes alone are the run's step times summed (ctx_tokens / ctx_tokens_per_s per step; compilation and
 the in-training evals fall inside the step after them), stored as `minutes_alone` in the thinned metrics
@@ -13,6 +16,7 @@ of results/detail.tar.xz. "Training only" subtracts each eval's own `eval_s + ev
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +28,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "2026-12-05-session23"))
 from plot import curve, member  # noqa: E402
+
+
+def later_run(a1, a2) -> dict:
+    """RUN's walk against steps and minutes (its step times summed) from TAR, drawn beside DR's."""
+    run, tar = os.environ.get("RUN"), os.environ.get("TAR")
+    if not (run and tar):
+        return {}
+    rows = member(Path(tar), f"./metrics/{run}.jsonl")
+    minutes = curve(rows)[0]
+    ev = [r for r in rows if "eval_walk_tau" in r]
+    steps, walk = [r["step"] for r in ev], [r["eval_walk_tau"] for r in ev]
+    a1.plot(steps, walk, "D-", color="tab:blue", label=f"{run}")
+    a2.plot([minutes[s] for s in steps], walk, "D-", color="tab:blue", label=f"{run}, minutes alone")
+    return {run: {"walk": dict(zip(steps, [round(w, 4) for w in walk])),
+                  "minutes_alone_at": {s: round(minutes[s], 2) for s in steps}}}
 
 
 def main() -> None:
@@ -51,6 +70,7 @@ def main() -> None:
     a2.plot(train_only, walk, "^:", color="tab:red", alpha=0.6, label="s27, training only (evals taken out)")
     a2.plot([m23[21000]], [2.857], "s", color="tab:gray", ms=8, label="s23 --labels target, an H200 alone")
     a2.axvline(20, color="k", lw=0.8, ls=":")
+    later = later_run(a1, a2)
     for ax in (a1, a2):
         ax.axhline(3.0, color="tab:red", lw=0.8, ls=":", label="the aim: online 3.0")
         ax.grid(alpha=0.3)
@@ -67,7 +87,8 @@ def main() -> None:
                       "random_anchors_online_gen": {r["step"]: round(r["eval_tau"], 4) for r in rows},
                       "eval_s": {r["step"]: round(r["eval_s"], 1) for r in rows},
                       "eval_walk_s": {r["step"]: round(r["eval_walk_s"], 1) for r in rows},
-                      "s23_target_labels_online_at_21000": {"tau": 2.857, "minutes_alone": round(m23[21000], 2)}},
+                      "s23_target_labels_online_at_21000": {"tau": 2.857, "minutes_alone": round(m23[21000], 2)},
+                      **later},
                      indent=1))
 
 
