@@ -89,10 +89,11 @@ class DeviceFeeder:
             raise StopIteration
         return items
 
-    def close(self) -> None:
-        """Stop the loader's workers and release every slot still held (their copies finished first)."""
+    def close(self, stop_workers: bool = True) -> None:
+        """Release every slot still held (their copies finished first) and, unless the loader's next
+        iteration is to reuse them, stop its workers."""
         shutdown = getattr(self.it, "_shutdown_workers", None)
-        if shutdown is not None:  # an exhausted DataLoader iterator has done this already
+        if stop_workers and shutdown is not None:  # an exhausted DataLoader iterator has done this already
             shutdown()
         self.next = None
         while self.slots is not None and self._held:

@@ -260,6 +260,10 @@ class RankSampler(torch.utils.data.Sampler):
         self.ds, self.rank, self.world, self.accum = dataset, rank, world, accum
         self.start_epoch, self.start_batch, self.steps = start_epoch, start_batch, steps
 
+    def restart(self, start_epoch: int, start_batch: int, steps: int) -> None:
+        """The keys of a later span (the next epoch's), for the loader's next iteration over the same workers."""
+        self.start_epoch, self.start_batch, self.steps = start_epoch, start_batch, steps
+
     def step_keys(self):
         """(epoch, first micro-batch, [keys of this rank]) for each step, in order."""
         epoch, g, done, empty = self.start_epoch, self.start_batch, 0, 0
@@ -324,11 +328,13 @@ class _Numbered(torch.utils.data.Sampler):
 
 
 def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False,
-                slots=None):
+                slots=None, persistent: bool = False):
     """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads).
 
     With `slots` (dflash.train.batch_slots.BatchSlots), workers write context features into them; the
-    consumer (DeviceFeeder with the same slots) must release every micro-batch's seq in order."""
+    consumer (DeviceFeeder with the same slots) must release every micro-batch's seq in order.  With
+    `persistent`, each `iter()` of the loader reuses its workers (and their dataset) for the keys the
+    sampler then gives (RankSampler.restart)."""
     if num_workers < 1:
         raise DataError("num_workers must be >= 1: mask metadata is built in DataLoader worker processes.")
     dataset.slots = slots
@@ -345,7 +351,10 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
         worker_init_fn=functools.partial(_worker_init, trainer_pid=os.getpid()),
         pin_memory=pin_memory,
         prefetch_factor=PREFETCH_FACTOR,
-        persistent_workers=False,
+        persistent_workers=persistent,
+        # The loader's seeds come from its own generator, not the process's RNG, whose state checkpoints
+        # carry: a run then draws the same random numbers however many loaders it starts.
+        generator=torch.Generator().manual_seed(0),
     )
 
 

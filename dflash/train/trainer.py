@@ -10,7 +10,8 @@ Exact resume (docs/DESIGN.md §7): `state_dict` holds model and optimizer state,
 position (epoch, samples consumed, the plan's balance group, the epoch's snapshot of the store) and the
 RNG states; the plan is a function of (seed, epoch, balance group, snapshot) and anchors of (seed, epoch,
 sample id), so a resumed run sees the very batches the uninterrupted run would have.  Each epoch has its
-own snapshot, loader and workers (dflash.train.epochs): a store that grew is seen from the next epoch on.
+own snapshot (dflash.train.epochs): a store that grew is seen from the next epoch on, with new loader
+workers; an epoch over the same snapshot as the last reuses the last one's (docs/DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Trainer:
         # Micro-batches balanced per optimizer step (plan._balanced_order): the plan groups this many.
         self.balance_group = world * cfg.optim.grad_accum if cfg.data.balance_steps else 1
         self.feeder, self.slots, self.wait_before = None, None, 0.0
+        self.loader = self.sampler = self.loader_snapshot = None  # the DataLoader an epoch may reuse, and its snapshot
         self.writer = ckpt.CheckpointWriter()  # rank 0's checkpoint writes, off the training thread
 
     # ------------------------------------------------------------------------------------ state
@@ -184,27 +186,46 @@ class Trainer:
             self.epoch, self.samples_done, self.snapshot = self.epoch + 1, 0, None
 
     def _start_loader(self, total: int) -> None:
-        """Sampler, DataLoader (its workers) and feeder over the rest of this epoch, up to the last step."""
+        """Sampler and feeder over the rest of this epoch, up to the last step, on the last epoch's loader
+        (its workers, and their dataset) where this epoch's snapshot of the store is the same, else on a
+        new one: restarting eight workers cost ~1.5 s an epoch (docs/BENCHMARKS.md)."""
         cfg = self.cfg
         steps = min(self.epoch_steps_left, total - self.step)
-        sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.optim.grad_accum, self.epoch, self.start_batch, steps)
-        if self.slots is None and cfg.data.batch_slots:
-            # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
-            self.slots = BatchSlots(default_num_slots(cfg.data.num_workers, cfg.optim.grad_accum),
-                                    L.batch_bytes(self.run.spec, self.run.feature_width),
-                                    pin=self.device.type == "cuda")
-        loader = L.make_loader(self.dataset, sampler, cfg.data.num_workers, pin_memory=self.device.type == "cuda",
-                               slots=self.slots)
-        self.step_plan = sampler.step_keys()
-        self.feeder = DeviceFeeder(loader, self.device, cfg.optim.grad_accum, slots=self.slots)
+        if self.loader is not None and self.loader_snapshot == self.snapshot:
+            self.dataset = self.sampler.ds  # the same samples; its plans are cached
+            self.sampler.restart(self.epoch, self.start_batch, steps)
+        else:
+            self._stop_workers()
+            self.sampler = L.RankSampler(self.dataset, self.rank, self.world, cfg.optim.grad_accum, self.epoch,
+                                         self.start_batch, steps)
+            if self.slots is None and cfg.data.batch_slots:
+                # Context features travel in reusable shared slots, page-locked on a GPU (dflash.train.batch_slots).
+                self.slots = BatchSlots(default_num_slots(cfg.data.num_workers, cfg.optim.grad_accum),
+                                        L.batch_bytes(self.run.spec, self.run.feature_width),
+                                        pin=self.device.type == "cuda")
+            self.loader = L.make_loader(self.dataset, self.sampler, cfg.data.num_workers,
+                                        pin_memory=self.device.type == "cuda", slots=self.slots, persistent=True)
+            self.loader_snapshot = dict(self.snapshot)
+        self.step_plan = self.sampler.step_keys()
+        self.feeder = DeviceFeeder(self.loader, self.device, cfg.optim.grad_accum, slots=self.slots)
 
-    def _close_loader(self) -> None:
+    def _close_loader(self, stop_workers: bool = True) -> None:
+        """The feeder's end (its slots released); the loader's workers too, unless the next epoch may reuse them."""
         if self.feeder is not None:
             self.wait_before += self.feeder.wait_s
-            self.feeder.close()
+            self.feeder.close(stop_workers=stop_workers)
             self.feeder = None
             if self.slots is not None:
-                self.slots.reset()  # the next loader numbers its micro-batches from 0 again
+                self.slots.reset()  # the next iteration numbers its micro-batches from 0 again
+        if stop_workers:
+            self.loader = self.sampler = self.loader_snapshot = None
+
+    def _stop_workers(self) -> None:
+        if self.loader is not None:
+            it = self.loader._iterator  # the persistent workers' iterator, kept by the DataLoader
+            if it is not None:
+                it._shutdown_workers()
+            self.loader = self.sampler = self.loader_snapshot = None
 
     def data_wait_s(self) -> float:
         """Seconds this run's steps waited for data: the loaders, and --follow's waits for the store."""
@@ -218,7 +239,7 @@ class Trainer:
         into the next epoch (a new snapshot, loader and workers) when this one is done."""
         cfg = self.cfg
         if not self.epoch_steps_left:
-            self._close_loader()
+            self._close_loader(stop_workers=False)  # kept until the next epoch's snapshot says
             self.epoch, self.samples_done, self.snapshot = self.epoch + 1, 0, None
             self._open_epoch()
             self._start_loader(total)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from dflash.config import TrainConfig, to_dict
@@ -147,3 +148,56 @@ def test_follow_trains_while_precompute_writes_through_a_killed_writer(growing, 
     assert sizes == sorted(sizes), "later epochs plan over at least as many samples"
     assert sizes[0] <= partial < full and sizes[-1] == full
     assert rows[0]["data_wait_frac"] > 0, "the first step waited for data, and says so"
+
+
+
+def _train_watching_workers(cfg: TrainConfig, grow=None) -> tuple[list[dict], dict[int, set[tuple]]]:
+    """Train in this process; the loader's worker pids seen in each epoch.  `grow(step)`, called before
+    every step, may append to the store."""
+    from dflash.train import trainer as T
+    from dflash.train.preflight import preflight
+
+    seen: dict[int, set[tuple]] = {}
+    step_once = T.Trainer.train_step
+
+    def train_step(self, total):
+        if grow is not None:
+            grow(self.step)
+        epoch = step_once(self, total)
+        seen.setdefault(epoch, set()).add(tuple(w.pid for w in self.loader._iterator._workers))
+        return epoch
+
+    T.Trainer.train_step = train_step
+    try:
+        T.Trainer(preflight(cfg), torch.device("cpu")).train()
+    finally:
+        T.Trainer.train_step = step_once
+    return _metrics(cfg.job.out), seen
+
+
+def test_epochs_of_an_unchanged_store_reuse_the_loader_workers_and_a_grown_store_gets_new_ones(growing, tmp_path):
+    target = growing["target"]
+    store = build_store(tmp_path / "store", target, growing["first"])
+    n0 = _eligible(store)
+    rows, seen = _train_watching_workers(_cfg(target, store, tmp_path / "kept", steps=18, num_workers=2))
+    assert len(seen) >= 3, "the run spans several epochs"
+    assert all(len(pids) == 1 for pids in seen.values()), "one set of workers an epoch"
+    assert len(set.union(*seen.values())) == 1, "the same workers in every epoch of an unchanged store"
+    assert {r["epoch_samples"] for r in rows} == {n0}
+
+    def grow(step):
+        if step == 5:  # between two steps of one epoch: the next epoch's snapshot sees it
+            build_store(store, target, growing["grown"], append=True)
+
+    grown, seen = _train_watching_workers(_cfg(target, store, tmp_path / "grown", steps=18, num_workers=2), grow)
+    n1 = _eligible(store)
+    assert n1 > n0
+    assert [r["loss"] for r in grown[:5]] == [r["loss"] for r in rows[:5]]
+    grown_epoch = grown[5]["epoch"]  # step 6's epoch, the one in progress when the store grew
+    before = [e for e in seen if e <= grown_epoch]
+    after = [e for e in seen if e > grown_epoch]
+    assert after and {r["epoch_samples"] for r in grown if r["epoch"] in after} == {n1}
+    assert {r["epoch_samples"] for r in grown if r["epoch"] in before} == {n0}
+    old = set.union(*(seen[e] for e in before))
+    new = set.union(*(seen[e] for e in after))
+    assert len(old) == 1 and len(new) == 1 and old != new, "new workers for the grown store's epochs, kept after"
