@@ -4,7 +4,10 @@ A micro-batch is R packed rows.  Each row holds a few samples back to back: thei
 (S positions) and their block streams (Q positions, `num_anchors` blocks of `block_size` per sample),
 with the closed-form mask metadata of `dflash.drafter.masks` that keeps the samples apart.  It is built
 in a DataLoader worker (dflash.train.loader) and pickled to the training process; its tensors travel in
-shared memory, as the DataLoader sends any tensor.
+shared memory, as the DataLoader sends any tensor.  Its small tensors (all but the context features) are
+views of one buffer, the batch's `arena`: one shared-memory handle crosses the process boundary, and one
+page-locking and one copy take them to the device, where each of ~20 tensors took its own (a handle
+costs the receiving process a socket round trip: docs/BENCHMARKS.md "CPU, session 28").
 """
 
 from __future__ import annotations
@@ -79,6 +82,58 @@ class MicroBatch:
     """The batch slot that holds ctx_hidden, or None when ctx_hidden is a tensor of its own."""
     ctx_shape: tuple[int, ...] | None = None
     """ctx_hidden's shape (R, S, L*H) while it is in a slot, else None."""
+    arena: torch.Tensor | None = None
+    """uint8: the buffer whose views the small tensors are (`Packer.finish`), or None when each tensor
+    has its own storage."""
+
+    def _in_arena(self, t: torch.Tensor) -> bool:
+        return self.arena is not None and t.untyped_storage().data_ptr() == self.arena.untyped_storage().data_ptr()
+
+    def _fields(self) -> Iterator[tuple[str, object]]:
+        for f in dataclasses.fields(self):
+            if f.name != "arena":
+                yield f.name, getattr(self, f.name)
+
+    def _rebased(self, arena: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """A copy over `arena` (this batch's, moved): each view of the old arena becomes the same view of
+        the new one, each other tensor gets fn."""
+        def move(t):
+            return _view(arena, t) if self._in_arena(t) else fn(t)
+
+        changed = {"arena": arena}
+        for name, v in self._fields():
+            if isinstance(v, torch.Tensor):
+                changed[name] = move(v)
+            elif isinstance(v, dict):
+                changed[name] = {k: move(t) for k, t in v.items()}
+        return dataclasses.replace(self, **changed)
+
+    def __getstate__(self) -> dict:
+        # Views of the arena cross as (dtype, offset, shape, stride): pickling each view would send the
+        # arena's storage again, a shared-memory handle each.
+        state = dict(self.__dict__)
+        if self.arena is not None:
+            def spec(t):
+                return ("view", t.dtype, t.storage_offset(), tuple(t.shape), t.stride()) if self._in_arena(t) else t
+
+            for name, v in self._fields():
+                if isinstance(v, torch.Tensor):
+                    state[name] = spec(v)
+                elif isinstance(v, dict):
+                    state[name] = {k: spec(t) for k, t in v.items()}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        arena = state.get("arena")
+
+        def back(v):
+            if isinstance(v, tuple) and v and v[0] == "view":
+                _, dtype, offset, shape, stride = v
+                return torch.empty(0, dtype=dtype, device=arena.device).set_(arena.untyped_storage(), offset, shape, stride)
+            return v
+
+        self.__dict__.update({k: ({kk: back(t) for kk, t in v.items()} if isinstance(v, dict) else back(v))
+                              for k, v in state.items()})
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -87,15 +142,19 @@ class MicroBatch:
         return R, Q, self.ctx_positions.shape[1]
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with fn applied to every tensor, the mask's included; the other fields shared."""
-        changed = {}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
+        """A copy with fn applied to every tensor, the mask's included, each then its own (no arena); the
+        other fields shared."""
+        changed = {"arena": None}
+        for name, v in self._fields():
             if isinstance(v, torch.Tensor):
-                changed[f.name] = fn(v)
+                changed[name] = fn(v)
             elif isinstance(v, dict):
-                changed[f.name] = {k: fn(t) for k, t in v.items()}
+                changed[name] = {k: fn(t) for k, t in v.items()}
         return dataclasses.replace(self, **changed)
+
+    def _moved(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """map_tensors for a fn that keeps every byte (a copy elsewhere): the arena moves once."""
+        return self.map_tensors(fn) if self.arena is None else self._rebased(fn(self.arena), fn)
 
     def dequantised(self) -> MicroBatch:
         """This batch with bf16 context features, dequantised on the batch's device (a copy when they are
@@ -105,19 +164,57 @@ class MicroBatch:
         return dataclasses.replace(self, ctx_hidden=dequantise_fp8(self.ctx_hidden, self.ctx_scale), ctx_scale=None)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return self._moved(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> MicroBatch:
         """Page-locked copies of the tensors: what DataLoader(pin_memory=True) calls on a batch of this type."""
-        return self.map_tensors(lambda t: t.pin_memory())
+        return self._moved(lambda t: t.pin_memory())
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                yield v
+        """The batch's buffers: the arena, if any, then every tensor outside it."""
+        if self.arena is not None:
+            yield self.arena
+        for _, v in self._fields():
+            for t in (v.values() if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else []):
+                if not self._in_arena(t):
+                    yield t
+
+    def consolidated(self) -> MicroBatch:
+        """This batch with its small tensors (all but the context and final hidden states) copied into one
+        arena, in shared memory inside a DataLoader worker (as loader._batch_tensor allocates)."""
+        # Sized by the batch's shape first, so those views keep their offsets from batch to batch of a shape
+        # (what a compiled step sees); the ones sized by its samples and labels last.
+        names = [n for n, _ in self._fields() if n not in ("ctx_hidden", "final_hidden", "label_index", "sample_ids")]
+        small = [t for name in names + ["label_index", "sample_ids"] for v in [getattr(self, name)]
+                 for t in (v.values() if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else [])]
+        offsets, n = [], 0
+        for t in small:
+            offsets.append(n)
+            n += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        arena = torch.zeros(n, dtype=torch.uint8)  # the gaps between views too: the same batch, the same bytes
+        if torch.utils.data.get_worker_info() is not None:
+            arena.share_memory_()
+        views = {}
+        for t, o in zip(small, offsets):
+            v = arena[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            v.copy_(t)
+            views[id(t)] = v
+        batch = dataclasses.replace(self, arena=arena)
+        for name, v in self._fields():
+            if isinstance(v, torch.Tensor) and id(v) in views:
+                setattr(batch, name, views[id(v)])
             elif isinstance(v, dict):
-                yield from v.values()
+                setattr(batch, name, {k: views[id(t)] for k, t in v.items()})
+        return batch
+
+
+_ALIGN = 64  # bytes: every view of an arena starts aligned for any dtype (and for vectorised kernels)
+
+
+def _view(arena: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The view of `arena` that `like` is of its own arena (the same dtype, offset, shape and strides)."""
+    return torch.empty(0, dtype=like.dtype, device=arena.device).set_(arena.untyped_storage(), like.storage_offset(),
+                                                                        like.shape, like.stride())
 
 
 class Packer:
@@ -215,7 +312,7 @@ class Packer:
             num_block_tokens=sum(len(s["labels"]) for s in self.packed),
             epoch=epoch,
             index=index,
-        )
+        ).consolidated()
 
 
 __all__ = ["MicroBatch", "Packer"]

@@ -54,3 +54,42 @@ def test_to_moves_every_tensor_and_keeps_the_rest():
     wide = b.map_tensors(lambda t: t.double() if t.is_floating_point() else t)
     assert wide.loss_weight.dtype == torch.float64 and wide.labels.dtype == torch.long
     assert wide.loss_weight_sum == b.loss_weight_sum and wide.mask.keys() == b.mask.keys()
+
+
+def _handles(b: MicroBatch) -> int:
+    """Shared-memory handles the DataLoader's pickler sends for `b` (each costs the receiver a round trip)."""
+    from multiprocessing import resource_sharer
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reducers)
+
+    cache = resource_sharer._resource_sharer._cache
+    n0 = len(cache)
+    ForkingPickler.dumps(b)
+    return len(cache) - n0
+
+
+def _small(b: MicroBatch) -> list[torch.Tensor]:
+    return [b.ctx_positions, b.block_input_ids, b.block_positions, b.labels, b.loss_weight, b.block_pos_in_block,
+            b.label_index, b.sample_ids, *b.mask.values()]
+
+
+def test_small_tensors_cross_the_process_boundary_as_one_arena():
+    b = _batch()
+    assert b.arena is not None and all(b._in_arena(t) for t in _small(b)) and not b._in_arena(b.ctx_hidden)
+    separate = b.map_tensors(lambda t: t.clone())
+    assert separate.arena is None
+    assert _handles(b) == 2 and _handles(separate) == len(_small(b)) + 1  # the arena and the context features
+    back = pickle.loads(pickle.dumps(b))
+    _same(b, back)
+    assert all(back._in_arena(t) for t in _small(back))
+
+
+def test_moving_a_batch_moves_its_arena_once_and_keeps_every_view(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **kw: self.clone())
+    b = _batch()
+    for moved in (b.pin_memory(), b.to(torch.device("cpu")), b.dequantised()):
+        _same(dataclasses.replace(b, arena=moved.arena), moved)
+        assert all(moved._in_arena(t) for t in _small(moved))
+        assert [t.stride() for t in _small(moved)] == [t.stride() for t in _small(b)]
+    assert b.pin_memory().arena.data_ptr() != b.arena.data_ptr()
