@@ -110,7 +110,14 @@ def test_two_processes_without_create_block_mask(two_process_run):
     assert float(curves[1].split(",")[1]) == pytest.approx(recs[0]["loss"], rel=1e-5)
     conf = json.loads((run / "config.json").read_text())
     assert conf["world_size"] == 2 and conf["drafter"]["dflash_config"]["block_size"] == 8
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    tags = set(tb.Tags()["scalars"])  # every numeric field of a record, one point a step, as metrics.jsonl has it
+    assert {"train/loss", "train/tau", "train/lr", "train/grad_norm", "acc/pos01"} <= tags
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(r["step"], pytest.approx(r["loss"])) for r in recs]
+    assert [e.value for e in tb.Scalars("acc/pos01")] == [pytest.approx(r["acc"][0]) for r in recs]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step-00000002", "step-00000004"]
     # the drafter only, with Qwen3 names: no target embedding or lm_head
