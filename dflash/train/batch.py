@@ -97,30 +97,26 @@ class MicroBatch:
     def _rebased(self, arena: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
         """A copy over `arena` (this batch's, moved): each view of the old arena becomes the same view of
         the new one, each other tensor gets fn."""
-        def move(t):
-            return _view(arena, t) if self._in_arena(t) else fn(t)
+        return dataclasses.replace(self, arena=arena,
+                                   **self._mapped(lambda t: _view(arena, t) if self._in_arena(t) else fn(t)))
 
-        changed = {"arena": arena}
+    def _mapped(self, fn) -> dict:
+        """{field: fn(tensor)} over the tensor fields but the arena, the mask's dict mapped inside."""
+        out = {}
         for name, v in self._fields():
             if isinstance(v, torch.Tensor):
-                changed[name] = move(v)
+                out[name] = fn(v)
             elif isinstance(v, dict):
-                changed[name] = {k: move(t) for k, t in v.items()}
-        return dataclasses.replace(self, **changed)
+                out[name] = {k: fn(t) for k, t in v.items()}
+        return out
 
     def __getstate__(self) -> dict:
         # Views of the arena cross as (dtype, offset, shape, stride): pickling each view would send the
         # arena's storage again, a shared-memory handle each.
         state = dict(self.__dict__)
         if self.arena is not None:
-            def spec(t):
-                return ("view", t.dtype, t.storage_offset(), tuple(t.shape), t.stride()) if self._in_arena(t) else t
-
-            for name, v in self._fields():
-                if isinstance(v, torch.Tensor):
-                    state[name] = spec(v)
-                elif isinstance(v, dict):
-                    state[name] = {k: spec(t) for k, t in v.items()}
+            state.update(self._mapped(lambda t: ("view", t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                                      if self._in_arena(t) else t))
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -144,13 +140,7 @@ class MicroBatch:
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
         """A copy with fn applied to every tensor, the mask's included, each then its own (no arena); the
         other fields shared."""
-        changed = {"arena": None}
-        for name, v in self._fields():
-            if isinstance(v, torch.Tensor):
-                changed[name] = fn(v)
-            elif isinstance(v, dict):
-                changed[name] = {k: fn(t) for k, t in v.items()}
-        return dataclasses.replace(self, **changed)
+        return dataclasses.replace(self, arena=None, **self._mapped(fn))
 
     def _moved(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
         """map_tensors for a fn that keeps every byte (a copy elsewhere): the arena moves once."""
