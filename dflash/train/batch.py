@@ -189,13 +189,7 @@ class MicroBatch:
             v = arena[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
             v.copy_(t)
             views[id(t)] = v
-        batch = dataclasses.replace(self, arena=arena)
-        for name, v in self._fields():
-            if isinstance(v, torch.Tensor) and id(v) in views:
-                setattr(batch, name, views[id(v)])
-            elif isinstance(v, dict):
-                setattr(batch, name, {k: views[id(t)] for k, t in v.items()})
-        return batch
+        return dataclasses.replace(self, arena=arena, **self._mapped(lambda t: views.get(id(t), t)))
 
 
 _ALIGN = 64  # bytes: every view of an arena starts aligned for any dtype (and for vectorised kernels)
