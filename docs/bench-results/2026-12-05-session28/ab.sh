@@ -30,7 +30,7 @@ for who in ${ORDER:-new old}; do
   PYTHONPATH=/root/site:$code python3 -m dflash.cli train --store stores/4k --out runs/$who --overwrite \
     --steps ${STEPS:-1500} --eval-every 0 --save-every 0 --num-shapes 1 > train_$who.log 2>&1 \
     || { tail -c 2000 train_$who.log; exit 1; }
-  n=$(ls -d runs/$who* | wc -l); cp runs/$who/metrics.jsonl $OUT/metrics_${who}_$n.jsonl 2>/dev/null || cp runs/$who/metrics.jsonl $OUT/metrics_$who.jsonl
+  i=$(( ${i:-0} + 1 )); cp runs/$who/metrics.jsonl $OUT/metrics_${i}_$who.jsonl  # a run's place in ORDER
   echo "$who ($code): $(( $(date +%s) - t )) s; $(tail -c 300 train_$who.log | tr '\r' '\n' | grep trained | tail -1)"
   python3 /root/code/docs/bench-results/2026-12-05-session28/ab_read.py runs/$who/metrics.jsonl
 done
