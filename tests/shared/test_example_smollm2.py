@@ -138,3 +138,6 @@ def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_ta
     assert gen.max_new_tokens > train.monitor.eval_walk_tokens > 0  # replies not cut inside the walk
     assert pre.max_length >= 8192 and pre.hidden_dtype == "bf16"  # whole histories, as the engine sees them
     assert any(str(d) == str(gen.out) for d in stages["precompute_heldout"]["deps"])
+    # no stage is pinned to the CPU: on the GPU machine each takes the GPUs it sees
+    where = {n: c.job.gpus if n == "train" else getattr(c, "gpus", None) or c.device for n, c in built.items()}
+    assert set(where.values()) == {"auto"}, where
