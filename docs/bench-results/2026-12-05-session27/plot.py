@@ -6,7 +6,8 @@ beside session 26's screen (rollout against target labels, 12,000-step cosines) 
     python docs/bench-results/2026-12-05-session27/plot.py OUT.png > results/curve.json
     RUN=D5RS TAR=later/detail.tar.xz python docs/bench-results/2026-12-05-session27/plot.py OUT.png
 
-With RUN and TAR, a later run's metrics (whole: every step's time) are drawn too, against the same axes.
+With RUN and TAR, a later run's metrics (whole: every step's time) are drawn too, against the same axes
+(LABEL names it in the legend, TITLE replaces the title).
 
 Minutes alone are the run's step times summed (ctx_tokens / ctx_tokens_per_s per step; compilation and
 the in-training evals fall inside the step after them), stored as `minutes_alone` in the thinned metrics
@@ -39,8 +40,9 @@ def later_run(a1, a2) -> dict:
     minutes = curve(rows)[0]
     ev = [r for r in rows if "eval_walk_tau" in r]
     steps, walk = [r["step"] for r in ev], [r["eval_walk_tau"] for r in ev]
-    a1.plot(steps, walk, "D-", color="tab:blue", label=f"{run}")
-    a2.plot([minutes[s] for s in steps], walk, "D-", color="tab:blue", label=f"{run}, minutes alone")
+    label = os.environ.get("LABEL", run)
+    a1.plot(steps, walk, "D-", color="tab:blue", label=label)
+    a2.plot([minutes[s] for s in steps], walk, "D-", color="tab:blue", label=f"{label}, minutes alone")
     return {run: {"walk": dict(zip(steps, [round(w, 4) for w in walk])),
                   "minutes_alone_at": {s: round(minutes[s], 2) for s in steps}}}
 
@@ -78,7 +80,8 @@ def main() -> None:
     a1.set_xlabel("step")
     a2.set_xlabel("minutes of one H100 alone (step times summed)")
     a1.set_ylabel("online tau: the walk over the online prompts' own replies (block 16)")
-    fig.suptitle("SmolLM2-135M on ShareGPT: the example's defaults alone for 21,500 steps (session 27)")
+    fig.suptitle(os.environ.get("TITLE", "SmolLM2-135M on ShareGPT: the example's defaults alone for 21,500 steps "
+                                         "(session 27)"))
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(json.dumps({"walk": dict(zip(steps, [round(w, 4) for w in walk])),

@@ -28,7 +28,7 @@ for who in ${ORDER:-new old}; do
   code=/root/code; [ $who = old ] && code=/root/s27
   t=$(date +%s)
   PYTHONPATH=/root/site:$code python3 -m dflash.cli train --store stores/4k --out runs/$who --overwrite \
-    --steps ${STEPS:-1500} --eval-every 0 --save-every 0 --num-shapes 1 > train_$who.log 2>&1 \
+    --steps ${STEPS:-1500} --eval-every 0 --save-every 0 --num-shapes 1 --gpus 0 > train_$who.log 2>&1 \
     || { tail -c 2000 train_$who.log; exit 1; }
   i=$(( ${i:-0} + 1 )); cp runs/$who/metrics.jsonl $OUT/metrics_${i}_$who.jsonl  # a run's place in ORDER
   echo "$who ($code): $(( $(date +%s) - t )) s; $(tail -c 300 train_$who.log | tr '\r' '\n' | grep trained | tail -1)"
