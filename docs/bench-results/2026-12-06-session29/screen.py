@@ -3,15 +3,16 @@
 The example's defaults stop gaining online at ~2.97 on all 17K conversations while training tau still
 rises (session 27), and 5 layers raise training tau but not online tau at 10,000 steps (session 29's
 D5RS): the data limits the drafter.  On the first 4,000 conversations the same regime comes ~4x sooner
-(an epoch is ~190 steps), so a 6,000-step cosine (~30 epochs) shows each run's plateau in minutes, and
-several runs share the GPU:
+(an epoch is ~190 steps), so a 5,000-step cosine (~26 epochs, the defaults' ~27 on 17K) shows each
+run's plateau in minutes, and several runs share the GPU (which then serialises their kernels: four
+runs step ~4x slower than one, sessions 26 and 27):
 
   4K     the example's defaults (DR: DFlash2 + D-PACE, rollout labels, block 16, 3 layers, 8 rows) with
          one padded shape, on `stores/4k`: the 4K-against-17K point (DR's plateau 2.97, session 27)
   4K.s1  the same, seed 1: the spread between seeds
   4K.wd  + `--weight-decay 0.1` (the defaults have none)
   4K.kd  + `--kd-weight 1` (KD on the stored top-k: soft labels)
-  4K.l5  + `--num-layers 5`
+  4K.l5  + `--num-layers 5` (not in the default SCREEN: session 29's D5RS answered it on 17K)
 
 Each walks the online prompts' own replies every EVERY steps (session 25's measure).  Only the stores
 these runs read are written: the target, `stores/4k` and `stores/online_gen` (not `all` nor
@@ -28,8 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "2026-12-05-session25"))
-os.environ.setdefault("SCREEN", "4K,4K.s1,4K.wd,4K.kd,4K.l5")
-os.environ.setdefault("STEPS", "6000")
+os.environ.setdefault("SCREEN", "4K,4K.s1,4K.wd,4K.kd")
+os.environ.setdefault("STEPS", "5000")
 os.environ.setdefault("EVERY", "1000")
 import screen as s25  # noqa: E402
 
