@@ -2,6 +2,6 @@
 
 launch (processes) -> preflight (checks, once per run: the resolved run every process receives) ->
 trainer (the loop), fed by plan (an epoch's packing and order) -> loader (micro-batches in worker
-processes) -> batch_slots / feeder (to the device); loss, checkpoint, metrics, parallel (DDP / FSDP2),
-heldout (held-out tau during training).
+processes) -> batch_slots / feeder (to the device); loss, checkpoint, metrics, tracker (a step's timing
+and its record, read one step late), parallel (DDP / FSDP2), heldout (held-out tau during training).
 """

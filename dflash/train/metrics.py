@@ -48,7 +48,7 @@ def _loss_sum(s, cfg: TrainConfig) -> float:
 
 
 def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
-    """A step's metrics record from its PendingStep `p` and StepStats `s` (dflash.train.trainer)."""
+    """A step's metrics record from its PendingStep `p` and StepStats `s` (dflash.train.tracker)."""
     wsum = max(s.weight_sum, 1e-12)
     dt = device_dt or p.dt  # rates: the device's timeline when known (GPU), else the host's
     return {

@@ -34,30 +34,13 @@ from dflash.train.batch_slots import BatchSlots, default_num_slots
 from dflash.train.epochs import EpochSource
 from dflash.train.feeder import DeviceFeeder
 from dflash.train.loss import loss_kernel_note
-from dflash.train.metrics import RunLogger, StepProfiler, step_record
+from dflash.train.metrics import RunLogger, StepProfiler
 from dflash.train.preflight import prepare_run_dir, resolved_by_rank0
 from dflash.train.resolved import ResolvedRun
 from dflash.train.step import HOST_PHASES, StepStats, TrainStep, compile_count, compiled, lr_at
+from dflash.train.tracker import StepTracker
 
 __all__ = ["Trainer", "run_training", "lr_at", "HOST_PHASES", "StepStats"]
-
-
-@dataclasses.dataclass
-class PendingStep:
-    """A finished step whose statistics are still on the device: read one step late, so that the host's
-    only sync of a step never makes the GPU wait for the host."""
-
-    stats: torch.Tensor  # StepStats vector (pinned host copy on a GPU, in flight)
-    event: torch.cuda.Event | None  # recorded after the step: its end on the device's timeline
-    step: int
-    epoch: int
-    epoch_samples: int  # samples the epoch's plan covers
-    lr: float
-    dt: float  # host seconds since the previous step ended
-    data_wait: float
-    gc: float
-    recompiles: int
-    host: dict  # host seconds per HOST_PHASES entry in this step
 
 
 class Trainer:
@@ -269,7 +252,7 @@ class Trainer:
         logger = (RunLogger(cfg, self.run, self.dataset.store, self.rank, self.world, self.step, total,
                             loss_kernel=loss_kernel_note(cfg.objective.loss_kernel, cfg.objective.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
-        self.tracker = _StepTracker(self, logger, total, since=opened)
+        self.tracker = StepTracker(self, logger, total, since=opened)
         profiler = StepProfiler(cfg.job.out, self.rank, cfg.monitor.profile_start, cfg.monitor.profile_steps, self.device)
         steps_run = 0
         while self.step < total:
@@ -335,68 +318,6 @@ class Trainer:
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
-
-
-class _StepTracker:
-    """Step timing, recompiles and the deferred metrics records (PendingStep) of a run."""
-
-    def __init__(self, trainer: Trainer, logger: RunLogger | None, total: int, since: float | None = None):
-        self.t, self.logger, self.total = trainer, logger, total
-        self.compiles0, self.recompiles = compile_count(), 0
-        self.t_last = since or time.perf_counter()
-        self.first_wait0: float | None = 0.0 if since else None
-        self.host_last = dict(trainer.step_fn.host)
-        self.tokens, self.seconds = 0, 0.0
-        self.pending: PendingStep | None = None
-        self.last_event = None
-
-    def begin(self) -> None:
-        self.wait0, self.gc0 = self.t.data_wait_s(), self.t.step_gc.timer.total_s
-        if self.first_wait0 is not None:  # the first step: its data wait since the data was opened
-            self.wait0, self.first_wait0 = self.first_wait0, None
-
-    def end(self, epoch: int, counts_recompiles: bool, compiles_before: int) -> None:
-        t, host = self.t, self.t.step_fn.host
-        if counts_recompiles:
-            self.recompiles += compile_count() - compiles_before
-        now = time.perf_counter()
-        dt, self.t_last = now - self.t_last, now
-        phases, self.host_last = {k: host[k] - self.host_last[k] for k in HOST_PHASES}, dict(host)
-        stats, event = t.stats, None
-        if t.device.type == "cuda":
-            stats = torch.empty(t.stats.shape, dtype=t.stats.dtype, pin_memory=True)
-            stats.copy_(t.stats, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-        self.flush()  # the previous step: its sync wait falls in this step's host interval, counted there
-        self.pending = PendingStep(stats, event, t.step, epoch, t.epoch_samples(), t.lr, dt, t.data_wait_s() - self.wait0,
-                                   t.step_gc.timer.total_s - self.gc0, self.recompiles, phases)
-
-    def flush(self, extra: dict | None = None) -> None:
-        """Log the pending step, if any (the only host sync of a step)."""
-        p, self.pending = self.pending, None
-        if p is None:
-            return
-        device_dt = None
-        if p.event is not None:
-            t0 = time.perf_counter()
-            p.event.synchronize()
-            self.t.step_fn.host["sync"] += time.perf_counter() - t0
-            # The step on the device's timeline, end of the previous step to end of this one: the host
-            # runs ahead of the GPU by up to a step, so host intervals swing widely.
-            if self.last_event is not None:
-                device_dt = self.last_event.elapsed_time(p.event) / 1e3
-            self.last_event = p.event
-        stats = StepStats.from_vector(p.stats.tolist(), self.t.cfg.drafter.block_size)
-        rec = step_record(p, stats, device_dt, self.t.cfg, self.t.device, compile_count() - self.compiles0)
-        rec.update(extra or {})
-        if p.step > 1 or self.total == 1:
-            self.tokens, self.seconds = self.tokens + rec["ctx_tokens"], self.seconds + p.dt
-        if self.logger:
-            self.logger.log(rec)
-
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
 
 
 def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | None:

@@ -331,7 +331,8 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
 def test_step_rates_use_the_device_timeline_when_known():
     """On a GPU, tokens/s come from the device's step interval (CUDA events), data wait from the host's."""
     from dflash.train.metrics import step_record
-    from dflash.train.trainer import PendingStep, StepStats
+    from dflash.train.step import StepStats
+    from dflash.train.tracker import PendingStep
 
     cfg = TrainConfig(block_size=4)
     vec = [8.0, 0.0, 4.0, 6.0, 3.0, 1000.0, 200.0, 5.0, 1.0, 0.0, 0.0] + [0.0, 1.0, 1.0, 0.0] + [0.0, 2.0, 2.0, 1.0] + [0.5]
