@@ -88,17 +88,25 @@ def screen() -> None:
              "--eval-walk-tokens", "128"]
     procs = {n: s.bg(f"train_{n}", s.train_cmd(n, STORE.get(n, "all"), STEPS, RUNS[n], every)) for n in NAMES}
     while any(p.poll() is None for p in procs.values()):
-        alive = [n for n, p in procs.items() if p.poll() is None]
-        with open(s.E / "progress.log", "a") as f:  # study.py's format: collect's fair-share minutes
-            f.write(json.dumps({"t": round(time.time(), 1), "alive": alive, "evals": 0, "gpu": "",
-                                "steps": {n: s.last_step(n) for n in procs}}) + "\n")
-        if time.time() > deadline():
-            for n in alive:
-                s.log(f"train_{n}: stopped at the deadline (step {s.last_step(n)})")
-                s.stop(procs[n])
-        time.sleep(5)
+        tick(procs)
     for n, p in procs.items():
         s.log(f"train_{n}: exit {p.returncode} at step {s.last_step(n)}")
+
+
+def tick(procs: dict) -> bool:
+    """One 5-s round of the screen: the runs' progress logged, those alive stopped once past the deadline
+    (returns whether it is past)."""
+    alive = [n for n, p in procs.items() if p.poll() is None]
+    with open(s.E / "progress.log", "a") as f:  # study.py's format: collect's fair-share minutes
+        f.write(json.dumps({"t": round(time.time(), 1), "alive": alive, "evals": 0, "gpu": "",
+                            "steps": {n: s.last_step(n) for n in procs}}) + "\n")
+    past = time.time() > deadline()
+    if past:
+        for n in alive:
+            s.log(f"train_{n}: stopped at the deadline (step {s.last_step(n)})")
+            s.stop(procs[n])
+    time.sleep(5)
+    return past
 
 
 def main() -> None:

@@ -90,19 +90,11 @@ def screen(gen) -> None:
             if pre.returncode == 0 and time.time() < s25.deadline():
                 procs["4K.gen"] = start("4K.gen")
             pre = None
-        alive = [n for n, p in procs.items() if p.poll() is None]
-        with open(s.E / "progress.log", "a") as f:  # study.py's format: collect's fair-share minutes
-            f.write(json.dumps({"t": round(time.time(), 1), "alive": alive, "evals": 0, "gpu": "",
-                                "steps": {n: s.last_step(n) for n in procs}}) + "\n")
-        if time.time() > s25.deadline():
-            for n in alive:
-                s.log(f"train_{n}: stopped at the deadline (step {s.last_step(n)})")
-                s.stop(procs[n])
+        if s25.tick(procs):
             for p in (gen, pre):
                 if p:
                     s.stop(p)
             gen = pre = None
-        time.sleep(5)
     for n, p in procs.items():
         s.log(f"train_{n}: exit {p.returncode} at step {s.last_step(n)}")
 
