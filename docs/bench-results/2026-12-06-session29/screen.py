@@ -61,7 +61,7 @@ def sampled_replies():
                 out.write(json.dumps({"id": f"{r['id']}.s{k}", "messages": r["messages"][:2]}, ensure_ascii=False) + "\n")
     return s.bg("generate_4k", s.DF + ["generate", "--data", "data/prompts_4k.jsonl", "--out", "data/gen_4k.jsonl",
                                        "--turns", "last", "--max-new-tokens", os.environ.get("GEN_TOKENS", "256"), "--temperature", "0.8",
-                                       "--batch-size", "128", "--gpus", os.environ.get("GEN_GPUS", "0,0,0,0"),
+                                       "--batch-size", os.environ.get("GEN_BATCH_4K", "32"), "--gpus", os.environ.get("GEN_GPUS", "0"),
                                        "--overwrite"])
 
 
