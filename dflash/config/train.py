@@ -115,6 +115,12 @@ class Optim(Options):
     min_lr_ratio: float = opt(0.1, "The cosine schedule ends at lr x this.")
     warmup_steps: int = opt(20, "Linear warm-up steps.")
     weight_decay: float = opt(0.0, "AdamW weight decay (matrices only).")
+    ema_decay: float = opt(0.0, "Exponential moving average of the drafter's weights; 0 = off.  With d > 0 the "
+                           "drafter evaluated during training (--eval-every), written to the checkpoints' "
+                           "model.safetensors (what `dflash eval` and `dflash export` read) and exported is the "
+                           "average e <- d*e + (1-d)*w of the trained weights w after every optimizer step, "
+                           "starting at the initial weights; e.g. 0.999 (an average over ~1000 steps).  Training "
+                           "itself continues on w (kept in train_state.pt for --resume).")
     betas: tuple[float, float] = opt((0.9, 0.95), "AdamW betas, e.g. 0.9,0.95.")
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this; 0 = off.")
     grad_accum: int = opt(1, "Micro-batches per process per optimizer step.")
@@ -123,7 +129,10 @@ class Optim(Options):
         return [(self.grad_accum >= 1, "--grad-accum must be at least 1."),
                 (self.steps is None or self.steps >= 1, "--steps must be at least 1."),
                 (self.steps is not None or self.epochs > 0, "--epochs must be positive."),
-                (self.warmup_steps >= 0 and 0 <= self.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1.")]
+                (self.warmup_steps >= 0 and 0 <= self.min_lr_ratio <= 1, "warmup_steps >= 0 and 0 <= min_lr_ratio <= 1."),
+                (0 <= self.ema_decay < 1, f"--ema-decay {self.ema_decay} is outside [0, 1): it is the weight the "
+                 "moving average of the drafter's weights keeps at each optimizer step (e.g. 0.999), and 0 turns "
+                 "the average off; at 1 it would never move from the initial weights.")]
 
 
 @dataclass

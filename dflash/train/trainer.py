@@ -6,12 +6,13 @@ Every process reads its own part of every epoch (dflash.train.loader); the loss 
 normalised by the global sum of loss weights of that step, so W processes x A accumulation steps give the
 gradient of one batch of W*A micro-batches, whatever W and A are (docs/DESIGN.md §3).
 
-Exact resume (docs/DESIGN.md §7): `state_dict` holds model and optimizer state, the step, the data
-position (epoch, samples consumed, the plan's balance group, the epoch's snapshot of the store) and the
-RNG states; the plan is a function of (seed, epoch, balance group, snapshot) and anchors of (seed, epoch,
-sample id), so a resumed run sees the very batches the uninterrupted run would have.  Each epoch has its
-own snapshot (dflash.train.epochs): a store that grew is seen from the next epoch on, with new loader
-workers; an epoch over the same snapshot as the last reuses the last one's (docs/DESIGN.md §7).
+Exact resume (docs/DESIGN.md §7): `state_dict` holds model and optimizer state (and --ema-decay's average
+of the weights, dflash.train.ema), the step, the data position (epoch, samples consumed, the plan's
+balance group, the epoch's snapshot of the store) and the RNG states; the plan is a function of (seed,
+epoch, balance group, snapshot) and anchors of (seed, epoch, sample id), so a resumed run sees the very
+batches the uninterrupted run would have.  Each epoch has its own snapshot (dflash.train.epochs): a store
+that grew is seen from the next epoch on, with new loader workers; an epoch over the same snapshot as the
+last reuses the last one's (docs/DESIGN.md §7).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.hostgc import StepGC
 from dflash.train import checkpoint as ckpt
-from dflash.train import context_scale
+from dflash.train import context_scale, ema
 from dflash.train import loader as L
 from dflash.train.batch_slots import BatchSlots, default_num_slots
 from dflash.train.epochs import EpochSource
@@ -69,6 +70,7 @@ class Trainer:
         self.feeder, self.slots, self.wait_before = None, None, 0.0
         self.loader = self.sampler = self.loader_snapshot = None  # the DataLoader an epoch may reuse, and its snapshot
         self.writer = ckpt.CheckpointWriter()  # rank 0's checkpoint writes, off the training thread
+        self.ema: ema.WeightEMA | None = None  # --ema-decay: set by a resume, else at the start of train()
 
     # ------------------------------------------------------------------------------------ state
 
@@ -80,11 +82,15 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         data = {"epoch": self.epoch, "samples_consumed": self.samples_done, "balance_group": self.balance_group,
                 "epoch_snapshot": self.snapshot}
-        return {"model": model_state, "optimizer": optim_state, "step": self.step, "world_size": self.world,
-                "data": data, "rng": rng}
+        state = {"model": model_state, "optimizer": optim_state, "step": self.step, "world_size": self.world,
+                 "data": data, "rng": rng}
+        if self.ema is not None:  # model.safetensors holds the average, train_state.pt the trained weights
+            state["trained_model"], state["model"] = model_state, self.ema.state_dict(self.step_fn.raw)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.step_fn.load_state_dict(state["model"], state["optimizer"])
+        self.step_fn.load_state_dict(ema.trained_weights(state), state["optimizer"])
+        self.ema = ema.resumed(self.step_fn.raw, self.cfg.optim.ema_decay, state, say=self.rank == 0)
         self.step = int(state["step"])
         data = state["data"]
         self.epoch, self.samples_done = int(data["epoch"]), int(data["samples_consumed"])
@@ -231,6 +237,8 @@ class Trainer:
         lr = lr_at(self.step, cfg, total)
         last_of_loader = self.epoch_steps_left == 1 or self.step + 1 >= total
         self.stats, self.new_shape = self.step_fn(items, self.feeder, lr, prefetch=not last_of_loader)
+        if self.ema is not None:  # once per optimizer step, after all of its accumulated micro-batches
+            self.ema.update(self.step_fn.raw)
         self.lr = lr
         self.step += 1
         self.epoch_steps_left -= 1
@@ -243,6 +251,8 @@ class Trainer:
         """Resume if asked, then step to the end; rank 0 returns the final metrics."""
         cfg, step_gc = self.cfg, self.step_gc
         self.resume()
+        if cfg.optim.ema_decay and self.ema is None:  # from the weights the first step starts at
+            self.ema = ema.WeightEMA(self.step_fn.raw, cfg.optim.ema_decay)
         opened = time.perf_counter()  # the first step's interval counts the wait for data (--follow: the store)
         self._open_epoch()
         # With --epochs the run's length comes from the store as it is when the run starts (or resumes).
@@ -291,6 +301,10 @@ class Trainer:
         """Offline tau on the held-out store, on rank 0 (the others wait for it at the next all-reduce)."""
         if self.rank != 0:
             return {}
+        with ema.applied(self.ema, self.step_fn.raw):  # the drafter that is checkpointed and exported
+            return self._evaluate()
+
+    def _evaluate(self) -> dict:
         from dflash.store import open_store
         from dflash.train.heldout import offline_tau
 
