@@ -42,7 +42,9 @@ def _cfg(target, store, out, **kw) -> TrainConfig:
 
 
 def _metrics(run) -> list[dict]:
-    return [json.loads(x) for x in (Path(run) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    """The records of a live metrics.jsonl: only whole lines, since the trainer may be mid-write of the last."""
+    text = (Path(run) / "metrics.jsonl").read_text()
+    return [json.loads(x) for x in text[:text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def _eligible(store) -> int:
