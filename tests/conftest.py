@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
-import pytest
+# One intra-op thread for every process the tests start (before torch is imported here or in a child):
+# pytest-xdist already runs a worker per core, and each worker's trainers, shard and loader processes
+# taking every core made OpenMP's threads spin against each other (the suite ran ~15% slower for ~25% more
+# CPU, docs/BENCHMARKS.md "CPU, session 31"). dflash's stages honour an explicit OMP_NUM_THREADS.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from helpers import build_store, make_conversations_jsonl, make_tiny_target
+import pytest  # noqa: E402
+
+from helpers import build_store, make_conversations_jsonl, make_tiny_target  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow tests first (stable otherwise): with --dist loadfile a worker takes a file
+    at a time, and a long file handed out last leaves the other cores idle at the end of the run."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(item.get_closest_marker("slow"))
+    order = {f: i for i, f in enumerate(dict.fromkeys(item.nodeid.split("::")[0] for item in items))}
+    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], order[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import torch
 
 from dflash.chat import dataset_fingerprint, load_rows
 from dflash.config import PrecomputeConfig, to_dict
+from dflash.cpu_threads import cpu_threads
 from dflash.errors import ConfigError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
@@ -331,7 +332,7 @@ def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) ->
             if num_shards == 1:
                 run_shard(ShardJob(cfg, part.first_shard, 1, devices[0], layer_ids, part=part))
             else:
-                threads = max(1, (os.cpu_count() or 1) // num_shards) if devices[0] == "cpu" else 0
+                threads = cpu_threads(num_shards) if devices[0] == "cpu" else 0
                 _spawn([ShardJob(cfg, part.first_shard + i, num_shards, devices[i], layer_ids, threads, os.getpid(),
                                  part=part) for i in range(num_shards)])
     tot = summarize(out, time.time() - t0 if todo else None)

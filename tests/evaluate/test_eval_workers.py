@@ -66,6 +66,7 @@ def one_process(run_dir):
     return _eval(tmp, chats, 1, "one.json", "--reference", str(tmp / "ref1.json"))
 
 
+@pytest.mark.slow
 def test_workers_give_one_processs_result(run_dir, one_process):
     tmp, chats = run_dir
     one = one_process
@@ -80,6 +81,7 @@ def test_workers_give_one_processs_result(run_dir, one_process):
     assert [g["tokens"] for g in gens[0]] == [g["tokens"] for g in gens[1]]
 
 
+@pytest.mark.slow
 def test_a_mismatch_in_a_later_slice_names_its_prompt(run_dir, one_process):
     """A doctored reference (prompt 4, the last worker's) must be what the workers compare against, and
     the mismatch must carry prompt 4, not the worker's own index 0 or 1."""

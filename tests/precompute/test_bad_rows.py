@@ -56,6 +56,7 @@ def test_without_the_flag_the_first_bad_row_stops_the_run(tmp_path, picky):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_bad_rows_are_left_out_listed_and_a_rerun_and_an_append_keep_the_store(tmp_path, picky):
     good = make_conversations(8, seed=3)
     data = _data(tmp_path / "d.jsonl", good, BAD)

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import make_conversations_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_capture_rate_tiny_cli(tmp_path):
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", 24, min_words=20, max_words=60)
     out = tmp_path / "rate.json"

@@ -175,6 +175,7 @@ def more(made):
     return make_conversations_jsonl(made["dir"] / "more.jsonl", 12, seed=9)
 
 
+@pytest.mark.slow
 def test_append_keeps_final_hidden_in_every_part(made, more, tmp_path):
     store = _copy(made["bf16"], tmp_path / "store")
     res = _append(made, store, more, "--final-hidden", "--shards", "2")

@@ -264,6 +264,7 @@ def _limit_file_size(limit: int):
 # slots (~80 KB files in /dev/shm) fit under 160 KB, the writer process's 256 KB objects do not
 @pytest.mark.parametrize("writer,chunk,limit,where", [("thread", 8, 16384, ("dflash-store", "pipeline.py")),
                                                       ("process", 64, 160 * 1024, ("writer process",))])
+@pytest.mark.slow
 def test_cli_exits_nonzero_when_the_store_cannot_be_written(tmp_path, tiny_target, writer, chunk, limit, where):
     data = make_conversations_jsonl(tmp_path / "d.jsonl", 14, seed=3)
     store = tmp_path / "s"

@@ -118,6 +118,7 @@ def test_greedy_answer_is_sensible(target):
     assert new[-1].item() == tok.eos_token_id, "the answer should end with <|im_end|>"
 
 
+@pytest.mark.slow
 def test_greedy_answers_heldout_prompts(target):
     """The target solves unseen prompts (first turns of held-out conversations) word for word."""
     tok, model = target

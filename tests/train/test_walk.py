@@ -175,6 +175,7 @@ def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
     assert f"walk tau = {w['tau']:.3f} over {w['num_blocks']} steps of {w['num_samples']} replies" in eval_summary(res)
 
 
+@pytest.mark.slow
 def test_evals_at_one_padded_shape_give_the_same_taus_and_compile_once(runs_store):
     """Training's evals of a compiled drafter use one padded shape (num_shapes=1): every shape a compiled
     drafter meets is a compilation (~30 s on an H100).  Padding must change no tau, and the walk of a
