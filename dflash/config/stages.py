@@ -61,7 +61,8 @@ class PrecomputeConfig(Options):
     data: str = opt("", "Conversations: json/jsonl/parquet/arrow file(s) or a saved `datasets` directory.")
     out: str = opt("", "Store directory to write; rerunning the same command resumes it.")
     shards: int = opt(1, "Shards = processes, one per GPU; under torchrun the world size wins.")
-    gpus: str = opt("auto", "'auto' (CUDA when present), 'cpu', or GPU ids '0,1,2,3,4' (one per shard).")
+    gpus: str = opt("auto", "'auto' (CUDA when present), 'cpu', or GPU ids '0,1,2,3,4' (one per shard; CPU "
+                    "shards share the cores out, or take OMP_NUM_THREADS threads each when it is set).")
     target_layers: list[int] | None = opt(
         None, "0-based target layers to capture, e.g. 1,9,17,25,33 (the output of layer i); "
         "default: evenly spaced for --num-draft-layers, never the last layer (docs/DESIGN.md §2).")

@@ -31,8 +31,9 @@ class Job(Options):
     store: str = opt("", "Store written by `dflash precompute`.")
     target: str = opt("", "The target checkpoint: its embedding and lm_head are read from it, frozen.")
     out: str = opt("", "Run directory: metrics, TensorBoard events, checkpoints.")
-    gpus: str = opt("auto", "'5,6,7' = one process per GPU; 'cpu:N' = N CPU processes (gloo); 'auto' = one "
-                    "process per visible GPU, or cpu:1 without CUDA.")
+    gpus: str = opt("auto", "'5,6,7' = one process per GPU; 'cpu:N' = N CPU processes (gloo), each with the "
+                    "cores / N intra-op threads, or OMP_NUM_THREADS when set; 'auto' = one process per visible "
+                    "GPU, or cpu:1 without CUDA.")
     seed: int = opt(0, "Seed of anchors, data order and initialisation.")
 
     def rules(self) -> list[tuple[bool, str]]:
