@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections import Counter
 
 # One intra-op thread for every process the tests start (before torch is imported here or in a child):
 # pytest-xdist already runs a worker per core, and each worker's trainers, shard and loader processes
@@ -19,11 +20,12 @@ from helpers import build_store, make_conversations_jsonl, make_tiny_target  # n
 def pytest_collection_modifyitems(config, items):
     """Files with the most slow tests first (stable otherwise): with --dist loadfile a worker takes a file
     at a time, and a long file handed out last leaves the other cores idle at the end of the run."""
-    slow: dict[str, int] = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + bool(item.get_closest_marker("slow"))
-    order = {f: i for i, f in enumerate(dict.fromkeys(item.nodeid.split("::")[0] for item in items))}
-    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], order[item.nodeid.split("::")[0]]))
+    def file_of(item):
+        return item.nodeid.split("::")[0]
+
+    slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow"))
+    first = {f: n for n, f in enumerate(dict.fromkeys(map(file_of, items)))}
+    items.sort(key=lambda item: (-slow[file_of(item)], first[file_of(item)]))
 
 
 @pytest.fixture(scope="session")
