@@ -86,6 +86,7 @@ def test_the_example_params_load_as_each_command_reads_them():
     assert (train.drafter.arch, train.objective.loss, train.data.labels) == ("dflash2", "dpace", "rollout")
     assert pre.topk > 0 and pre.hidden_dtype == "fp8"
     assert train.drafter.block_size == 16 and train.job.store == pre.out
+    assert (train.data.num_shapes, train.objective.kd_weight) == (1, 0.0)  # RECIPE: one shape; KD level at length
 
 
 def test_target_stage_without_gguf_says_what_to_install_before_downloading(tmp_path):
