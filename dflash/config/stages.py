@@ -33,6 +33,10 @@ class GenerateConfig(Options):
                     "loop leaves the GPU idle).")
     dtype: AutoDtype = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.")
     batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
+    static_cache: AutoOnOff = opt("off", "In-process: a static KV cache, prompts left-padded to a power-of-two width "
+                                  "and batches to --batch-size rows, so that transformers' generate compiles the "
+                                  "decode step into CUDA graphs once per width (auto: on for CUDA; off on CPU, "
+                                  "where it only adds padding).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")

@@ -90,6 +90,8 @@ class LocalEngine:
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.think_ids = {self.tokenizer.convert_tokens_to_ids(t): t for t in THINK_TAGS
                           if t in self.tokenizer.get_vocab()}
+        mode = getattr(cfg, "static_cache", "off")
+        self.static = mode == "on" or (mode == "auto" and self.device.type == "cuda")
 
     def encode(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -140,7 +142,13 @@ class LocalEngine:
         return [out[r.key] for r in requests]
 
     def _batch(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        real = len(prompts)
         width = max(len(p) for p in prompts)
+        if self.static:
+            # transformers compiles the decode step per (rows, cache length): a few widths and one row
+            # count keep the compilations few; the filler rows repeat the last prompt and are dropped.
+            width = static_width(width, self.cfg.max_new_tokens, self.max_positions)
+            prompts = prompts + [prompts[-1]] * (max(1, self.cfg.batch_size) - real)
         input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
@@ -154,9 +162,20 @@ class LocalEngine:
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)
         if sample:
             torch.manual_seed(seed)
+        if self.static:
+            kw["cache_implementation"] = "static"
         seqs = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                                    max_new_tokens=new, eos_token_id=sorted(self.eos), pad_token_id=self.pad, **kw)
-        return [row[width:].tolist() for row in seqs.cpu()]
+        return [row[width:].tolist() for row in seqs[:real].cpu()]
 
 
-__all__ = ["Request", "Response", "LocalEngine", "devices", "template_kwargs", "check_thinking"]
+def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:
+    """The padded prompt width of a static-cache batch: the next power of two (at least `floor`), held
+    below the target's context where that leaves room for --max-new-tokens, and never below `width`."""
+    padded = max(floor, 1 << (width - 1).bit_length())
+    if max_positions:
+        padded = min(padded, max(width, max_positions - max_new_tokens))
+    return padded
+
+
+__all__ = ["Request", "Response", "LocalEngine", "devices", "static_width", "template_kwargs", "check_thinking"]

@@ -17,7 +17,7 @@ import torch
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, DataError
 from dflash.generate.journal import load_records, work_dir
-from dflash.generate.local import LocalEngine
+from dflash.generate.local import LocalEngine, static_width
 from dflash.generate.run import run_generate
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
 
@@ -45,13 +45,16 @@ def greedy_reference(model, tok, messages, max_new: int, eos: int) -> str:
     return tok.decode(new, skip_special_tokens=True)
 
 
-def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path):
-    # the embedded target writes real, multi-token answers (a random one stops at once)
+@pytest.mark.parametrize("static_cache,batch_size", [("off", 3), ("on", 4)])
+def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path, static_cache, batch_size):
+    # the embedded target writes real, multi-token answers (a random one stops at once); with the static
+    # cache every batch is padded to a power-of-two width and to 4 rows (filler rows in every round)
     rows = [json.loads(x) for x in (ROOT / "data" / "heldout.jsonl").read_text().splitlines()[:3]]
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
-    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=32, turns="all", batch_size=3))
+    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=32, turns="all",
+                               batch_size=batch_size, static_cache=static_cache))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(EMBEDDED)
@@ -66,6 +69,13 @@ def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path):
                 assert m["content"] == greedy_reference(model, tok, msgs[:i], 32, tok.eos_token_id)
                 checked += 1
     assert checked >= len(rows) and any(len(m["content"]) > 40 for r in got for m in r["messages"])
+
+
+def test_static_width_is_a_power_of_two_that_leaves_room_for_the_reply():
+    assert [static_width(w, 512, 8192) for w in (1, 64, 65, 300, 1024, 1025)] == [64, 64, 128, 512, 1024, 2048]
+    # near the context the width stops where --max-new-tokens still fits, and never cuts the prompt
+    assert static_width(5000, 2048, 8192) == 6144 and static_width(7000, 2048, 8192) == 7000
+    assert static_width(3000, 512, 0) == 4096  # a target that declares no context
 
 
 def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_path, tiny_target):

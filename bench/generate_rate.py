@@ -1,0 +1,97 @@
+"""`dflash generate`'s in-process rate on a target of SmolLM2-135M's shape: the dynamic KV cache against
+the static one (`--static-cache on`, which transformers' generate compiles into CUDA graphs on a GPU).
+
+    python bench/generate_rate.py --rows 256 --batch-size 128 --max-new-tokens 256 --modes off,on
+
+The target is random-weight Llama of SmolLM2-135M-Instruct's shape (30 layers, hidden 576, 9 heads, 3 KV
+heads, vocabulary 49,152, tied embeddings) with the real tokenizer (tests/assets/smollm2-tokenizer); its
+generation config's eos is a token it never picks, so every reply runs to --max-new-tokens and the
+work is the same in every mode.  Prompts are --rows first exchanges of 40 to --max-words words.  Each
+mode runs twice in one process: the first pass pays for compilation, the second is the steady rate.
+Prints one JSON line per pass; `--out` writes them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash.config import GenerateConfig  # noqa: E402
+from dflash.generate.local import LocalEngine, Request  # noqa: E402
+
+WORDS = "the a model token block anchor draft target layer cache batch store shard reply prompt".split()
+
+
+def build_target(path: Path, layers: int) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "tests/assets/smollm2-tokenizer")
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                      bos_token_id=1, eos_token_id=49151, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def prompts(n: int, max_words: int) -> list[Request]:
+    rng = random.Random(0)
+    return [Request(i, [{"role": "user", "content": " ".join(rng.choice(WORDS)
+                                                             for _ in range(rng.randint(40, max_words)))}])
+            for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-words", type=int, default=600)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--work", default="/tmp/generate_rate")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    target = build_target(Path(a.work) / "target", a.layers)
+    reqs = prompts(a.rows, a.max_words)
+    results = []
+    for mode in a.modes.split(","):
+        cfg = GenerateConfig(target=str(target), gpus=a.device, batch_size=a.batch_size,
+                             max_new_tokens=a.max_new_tokens, static_cache=mode)
+        eng = LocalEngine(cfg, a.device)
+        for p in ("first", "second"):
+            if a.device.startswith("cuda"):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            out = eng.generate(reqs)
+            wall = time.perf_counter() - t
+            toks = sum(r.tokens for r in out)
+            rec = {"static_cache": mode, "pass": p, "rows": len(out), "new_tokens": toks, "wall_s": round(wall, 2),
+                   "tokens_per_s": round(toks / wall, 1), "rows_per_s": round(len(out) / wall, 2),
+                   "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens, "device": a.device,
+                   "prompt_tokens_max": max(len(eng.encode(r.messages)) for r in reqs)}
+            if a.device.startswith("cuda"):
+                rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                rec["gpu"] = torch.cuda.get_device_name()
+            print(json.dumps(rec), flush=True)
+            results.append(rec)
+        del eng
+    if a.out:
+        Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in results))
+
+
+if __name__ == "__main__":
+    main()
