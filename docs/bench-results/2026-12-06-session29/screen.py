@@ -24,7 +24,8 @@ are written; 4K.gen starts when its store is.
 
 Env: as session 25's screen.py (SCREEN, STEPS, EVERY, WORKERS, DEADLINE, /root/ex/deadline), and
 SAMPLES (sampled replies a conversation, default 2), GEN_TOKENS (their length at most, default 256),
-GEN_GPUS (the generate processes, default 0,0,0,0).
+GEN_GPUS (the generate processes, default 0: one), GEN_BATCH_4K (rows a batch, default 32), GEN_EXTRA (more
+`dflash generate` options, e.g. `--static-cache on`: session 32).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def sampled_replies():
     return s.bg("generate_4k", s.DF + ["generate", "--data", "data/prompts_4k.jsonl", "--out", "data/gen_4k.jsonl",
                                        "--turns", "last", "--max-new-tokens", os.environ.get("GEN_TOKENS", "256"), "--temperature", "0.8",
                                        "--batch-size", os.environ.get("GEN_BATCH_4K", "32"), "--gpus", os.environ.get("GEN_GPUS", "0"),
-                                       "--overwrite"])
+                                       "--overwrite"] + os.environ.get("GEN_EXTRA", "").split())
 
 
 def precompute_4kgen():
