@@ -58,6 +58,8 @@ def coerce(name: str, tp: Any, value: Any, origin: str) -> Any:
     args = typing.get_args(tp)
     base = typing.get_origin(tp)
     if base is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(args):
+            value = "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as a boolean
         return check_choice(name, tp, str(value) if not isinstance(value, bool) else value, origin)
     try:
         if base is list:

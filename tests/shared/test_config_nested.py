@@ -104,6 +104,17 @@ def test_a_literal_choice_is_refused_naming_the_field_and_its_choices(tmp_path):
         dataclasses.replace(TrainConfig(), dspark=SECTION_TYPES["dspark"](tv_source="x"))
 
 
+def test_unquoted_yaml_on_and_off_read_as_the_choices_they_spell(tmp_path):
+    p = tmp_path / "params.yaml"
+    p.write_text("train:\n  systems:\n    compile: off\n")  # YAML 1.1: a boolean false
+    assert build_config(TrainConfig, p, {}).systems.compile == "off"
+    p.write_text("train:\n  systems:\n    compile: on\n")
+    assert build_config(TrainConfig, p, {}).systems.compile == "on"
+    # a boolean stays refused where the choices do not spell on/off
+    with pytest.raises(ConfigError, match=r"`parallel` = True is not one of ddp, fsdp"):
+        build_config(TrainConfig, _write(tmp_path, {"systems": {"parallel": True}}), {})
+
+
 def test_the_arch_choices_are_the_drafter_registry():
     from dflash.drafter import ARCHS, VARIANTS
 

@@ -20,16 +20,18 @@ takes ~49 GB of the GPU at precompute's token budget; sessions 15 and 30 ran out
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 for k, v in {"SCREEN": "4K,4K.gen,4K.ema", "STEPS": "4000", "EVERY": "1000", "SAMPLES": "2", "GEN_TOKENS": "256",
              "GEN_GPUS": "0", "GEN_BATCH_4K": "64", "GEN_EXTRA": "--static-cache on"}.items():
     os.environ.setdefault(k, v)
-sys.path.insert(0, str(HERE.parent / "2026-12-06-session29"))
-import screen as s29  # noqa: E402
+# session 29's driver is a module named `screen` that imports session 25's `screen`: load it under its own name
+_spec = importlib.util.spec_from_file_location("screen29", HERE.parent / "2026-12-06-session29/screen.py")
+s29 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(s29)
 
 s29.s25.RUNS["4K.ema"] = s29.BASE + ["--ema-decay", "0.999"]
 s29.s25.STORE["4K.ema"] = "4k"
