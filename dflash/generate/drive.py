@@ -119,10 +119,14 @@ def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -
     devices = [None]
     if not cfg.endpoint:
         from dflash.generate.local import devices as local_devices
+        from dflash.generate.local import static_cache_note
 
         devices = local_devices(cfg.gpus)
         if devices == ["cpu"]:
             print("generate: running in-process on CPU (no GPU requested or available).", flush=True)
+        note = static_cache_note(cfg.static_cache, devices, len(todo))
+        if note:
+            print(note, flush=True)
     bar = Bar(len(rows), resumed)
     try:
         if len(devices) == 1:

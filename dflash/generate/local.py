@@ -169,6 +169,19 @@ class LocalEngine:
         return [row[width:].tolist() for row in seqs[:real].cpu()]
 
 
+STATIC_CACHE_ROWS = 3000  # ~5 widths x ~170K tokens each to repay their compiling, at ~300 tokens a reply
+
+
+def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str | None:
+    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs are
+    ~3.7x faster for a small target (docs/BENCHMARKS.md, session 32)."""
+    if static_cache != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
+        return None
+    return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "
+            "--static-cache on decodes several times faster (CUDA graphs) after ~40 s of compiling per "
+            "prompt width.")
+
+
 def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:
     """The padded prompt width of a static-cache batch: the next power of two (at least `floor`), held
     below the target's context where that leaves room for --max-new-tokens, and never below `width`."""
@@ -178,4 +191,4 @@ def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int
     return padded
 
 
-__all__ = ["Request", "Response", "LocalEngine", "devices", "static_width", "template_kwargs", "check_thinking"]
+__all__ = ["Request", "Response", "LocalEngine", "devices", "static_cache_note", "static_width", "template_kwargs", "check_thinking"]

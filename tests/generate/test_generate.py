@@ -17,7 +17,7 @@ import torch
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, DataError
 from dflash.generate.journal import load_records, work_dir
-from dflash.generate.local import LocalEngine, static_width
+from dflash.generate.local import STATIC_CACHE_ROWS, LocalEngine, static_cache_note, static_width
 from dflash.generate.run import run_generate
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
 
@@ -76,6 +76,13 @@ def test_static_width_is_a_power_of_two_that_leaves_room_for_the_reply():
     # near the context the width stops where --max-new-tokens still fits, and never cuts the prompt
     assert static_width(5000, 2048, 8192) == 6144 and static_width(7000, 2048, 8192) == 7000
     assert static_width(3000, 512, 0) == 4096  # a target that declares no context
+
+
+def test_many_rows_on_a_gpu_without_the_static_cache_get_a_hint():
+    note = static_cache_note("off", ["cuda:0"], STATIC_CACHE_ROWS)
+    assert note and "--static-cache on" in note and f"{STATIC_CACHE_ROWS:,} rows" in note
+    assert static_cache_note("off", ["cuda:0"], STATIC_CACHE_ROWS - 1) is None  # finishes before compiling would
+    assert static_cache_note("off", ["cpu"], 10 ** 6) is None and static_cache_note("on", ["cuda:0"], 10 ** 6) is None
 
 
 def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_path, tiny_target):
