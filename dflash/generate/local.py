@@ -90,8 +90,7 @@ class LocalEngine:
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.think_ids = {self.tokenizer.convert_tokens_to_ids(t): t for t in THINK_TAGS
                           if t in self.tokenizer.get_vocab()}
-        mode = getattr(cfg, "static_cache", "off")
-        self.static = mode == "on" or (mode == "auto" and self.device.type == "cuda")
+        self.static = cfg.static_cache == "on" or (cfg.static_cache == "auto" and self.device.type == "cuda")
 
     def encode(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -191,4 +190,5 @@ def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int
     return padded
 
 
-__all__ = ["Request", "Response", "LocalEngine", "devices", "static_cache_note", "static_width", "template_kwargs", "check_thinking"]
+__all__ = ["Request", "Response", "LocalEngine", "devices", "static_cache_note", "static_width", "template_kwargs",
+           "check_thinking"]
