@@ -9,6 +9,17 @@ generation config's eos is a token it never picks, so every reply runs to --max-
 work is the same in every mode.  Prompts are --rows first exchanges of 40 to --max-words words.  Each
 mode runs twice in one process: the first pass pays for compilation, the second is the steady rate.
 Prints one JSON line per pass; `--out` writes them all.
+
+The real target and conversations (session 33: on them `--static-cache on` was no faster than off):
+
+    python bench/generate_rate.py --target model --data data/train.jsonl --rows 512 --batch-size 64 \
+        --temperature 0.8 --passes 1 --modes off,off:256,on,hf
+
+`--target` takes a checkpoint instead of the random one (its own eos, so replies end where it ends
+them), `--data` the first user turns of a conversations file. A mode is `off`, `on` (this package's
+static cache: one per width, reset between batches) or `hf` (transformers' own static cache, a new one
+per `generate` call, as before session 33), with `:ROWS` for another batch size. Each record lists
+every batch's rows, cache shape and seconds, so compiling, recording and replaying show apart.
 """
 
 from __future__ import annotations
@@ -45,11 +56,49 @@ def build_target(path: Path, layers: int) -> Path:
     return path
 
 
-def prompts(n: int, max_words: int) -> list[Request]:
+def prompts(n: int, max_words: int, data: str | None, fits=None) -> list[Request]:
+    if data:  # first user turns, as `dflash generate --turns last` sends a first exchange; `fits` filters
+        reqs = []
+        with open(data) as f:
+            for line in f:
+                r = Request(len(reqs), json.loads(line)["messages"][:1])
+                if fits is None or fits(r):
+                    reqs.append(r)
+                if len(reqs) == n:
+                    break
+        return reqs
     rng = random.Random(0)
     return [Request(i, [{"role": "user", "content": " ".join(rng.choice(WORDS)
                                                              for _ in range(rng.randint(40, max_words)))}])
             for i in range(n)]
+
+
+class PerCallCache(LocalEngine):
+    """transformers' own static cache (a new one per `generate` call): the engine's cache argument
+    becomes `cache_implementation="static"`."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.cache_kwarg = "cache_implementation"
+
+    def _static_cache(self, rows: int, length: int) -> str:
+        self._cache_shape = (rows, length)
+        return "static"
+
+
+def run_pass(eng, reqs, seed: int) -> tuple[list, list[dict]]:
+    batches, t = [], time.perf_counter()
+
+    def on_batch(responses):
+        nonlocal t
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        batches.append({"rows": len(responses), "cache": list(eng._cache_shape or ()), "s": round(now - t, 3),
+                        "tokens": sum(r.tokens for r in responses)})
+        t = now
+
+    return eng.generate(reqs, seed=seed, on_batch=on_batch), batches
 
 
 def main() -> None:
@@ -60,33 +109,49 @@ def main() -> None:
     ap.add_argument("--max-words", type=int, default=600)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--modes", default="off,on")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--target", help="a checkpoint to decode with (default: a random one of SmolLM2's shape)")
+    ap.add_argument("--data", help="a conversations JSONL whose first user turns are the prompts")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--max-prompt-tokens", type=int, help="with --data: only prompts of at most this many tokens")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--work", default="/tmp/generate_rate")
     ap.add_argument("--out")
     a = ap.parse_args()
-    target = build_target(Path(a.work) / "target", a.layers)
-    reqs = prompts(a.rows, a.max_words)
+    target = Path(a.target) if a.target else build_target(Path(a.work) / "target", a.layers)
+    fits = None
+    if a.max_prompt_tokens:
+        from dflash.target_model.capture import load_tokenizer
+
+        tok = load_tokenizer(str(target), False)
+        def fits(r: Request) -> bool:
+            text = tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
+            return len(tok(text, add_special_tokens=False)["input_ids"]) <= a.max_prompt_tokens
+    reqs = prompts(a.rows, a.max_words, a.data, fits)
     results = []
-    for mode in a.modes.split(","):
-        cfg = GenerateConfig(target=str(target), gpus=a.device, batch_size=a.batch_size,
-                             max_new_tokens=a.max_new_tokens, static_cache=mode)
-        eng = LocalEngine(cfg, a.device)
-        for p in ("first", "second"):
+    for spec in a.modes.split(","):
+        mode, _, rows = spec.partition(":")
+        bs = int(rows or a.batch_size)
+        cfg = GenerateConfig(target=str(target), gpus=a.device, batch_size=bs, max_new_tokens=a.max_new_tokens,
+                             static_cache="off" if mode == "off" else "on", temperature=a.temperature)
+        eng = (PerCallCache if mode == "hf" else LocalEngine)(cfg, a.device)
+        for p in range(a.passes):
             if a.device.startswith("cuda"):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            out = eng.generate(reqs)
+            out, batches = run_pass(eng, reqs, seed=p)
             wall = time.perf_counter() - t
             toks = sum(r.tokens for r in out)
-            rec = {"static_cache": mode, "pass": p, "rows": len(out), "new_tokens": toks, "wall_s": round(wall, 2),
-                   "tokens_per_s": round(toks / wall, 1), "rows_per_s": round(len(out) / wall, 2),
-                   "batch_size": a.batch_size, "max_new_tokens": a.max_new_tokens, "device": a.device,
-                   "prompt_tokens_max": max(len(eng.encode(r.messages)) for r in reqs)}
+            rec = {"mode": mode, "static_cache": cfg.static_cache, "pass": p + 1, "rows": len(out), "new_tokens": toks,
+                   "wall_s": round(wall, 2), "tokens_per_s": round(toks / wall, 1), "rows_per_s": round(len(out) / wall, 2),
+                   "batch_size": bs, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
+                   "target": a.target or "random", "device": a.device,
+                   "prompt_tokens_max": max(len(eng.encode(r.messages)) for r in reqs), "batches": batches}
             if a.device.startswith("cuda"):
                 rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 rec["gpu"] = torch.cuda.get_device_name()
-            print(json.dumps(rec), flush=True)
+            print(json.dumps({k: v for k, v in rec.items() if k != "batches"}), flush=True)
             results.append(rec)
         del eng
     if a.out:

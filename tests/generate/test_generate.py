@@ -17,7 +17,7 @@ import torch
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, DataError
 from dflash.generate.journal import load_records, work_dir
-from dflash.generate.local import STATIC_CACHE_ROWS, LocalEngine, static_cache_note, static_width
+from dflash.generate.local import STATIC_CACHE_ROWS, LocalEngine, Request, static_cache_note, static_width
 from dflash.generate.run import run_generate
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
 
@@ -69,6 +69,24 @@ def test_in_process_greedy_is_the_targets_own_greedy_continuation(tmp_path, stat
                 assert m["content"] == greedy_reference(model, tok, msgs[:i], 32, tok.eos_token_id)
                 checked += 1
     assert checked >= len(rows) and any(len(m["content"]) > 40 for r in got for m in r["messages"])
+
+
+def test_static_cache_is_reset_and_reused_across_the_batches_of_one_width(tmp_path):
+    # a new cache per batch would give the decode step's CUDA graphs new addresses to record again
+    reqs = [Request(i, [{"role": "user", "content": text}]) for i, text in
+            enumerate(["Hi.", "What is two plus two?", "Name a colour.", "Say yes.", " ".join(["word"] * 80)])]
+    eng = LocalEngine(cfg(target=EMBEDDED, max_new_tokens=12, batch_size=2, static_cache="on"), "cpu")
+    seen = []
+
+    def on_batch(responses):
+        seen.append((len(responses), eng._cache_shape, eng._cache.layers[0].keys))  # held: no address reuse
+
+    got = eng.generate(reqs, on_batch=on_batch)
+    want = LocalEngine(cfg(target=EMBEDDED, max_new_tokens=12, batch_size=2, static_cache="off"), "cpu").generate(reqs)
+    assert [r.text for r in got] == [r.text for r in want] and any(r.tokens > 1 for r in got)
+    (_, shape1, keys1), (_, shape2, keys2), (_, shape3, keys3) = seen
+    assert shape1 == shape2 and keys1 is keys2  # the second batch of the width decoded in the same tensors
+    assert shape3[1] > shape1[1] and keys3 is not keys1  # the long prompt's wider batch has a cache of its own
 
 
 def test_static_width_is_a_power_of_two_that_leaves_room_for_the_reply():
