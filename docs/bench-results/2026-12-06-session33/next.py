@@ -9,6 +9,9 @@ its `BASE` = the example's defaults with one padded shape), sharing the GPU:
   4K.gen     BASE on `stores/4kgen`: the 4,000 conversations and both sampled replies to each
   4K.gen1    BASE on `stores/4kgen1`: the 4,000 conversations and the first sampled reply only
   4K.gen.s1  4K.gen with `--seed 1`
+  4K.len     BASE on `stores/4klen`: the 4,000 conversations cut at 4,096 tokens instead of the example's
+             2,048 (5.80M tokens against 5.40M, 29 conversations still cut against 1,096; on all 17K 24.9M
+             against 23.2M): the one more text that costs no generating
 
 Then, once they end (and only if BENCH_S seconds are left before the deadline), `bench/generate_rate.py`
 on the real target, alone on the GPU: the first user turns of training conversations of at most 64
@@ -32,34 +35,37 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-for k, v in {"SCREEN": "4K.gen,4K.gen1,4K.gen.s1", "STEPS": "4000", "EVERY": "1000", "GEN_GPUS": "0"}.items():
+for k, v in {"SCREEN": "4K.gen,4K.gen1,4K.gen.s1,4K.len", "STEPS": "4000", "EVERY": "1000", "GEN_GPUS": "0"}.items():
     os.environ.setdefault(k, v)
 _spec = importlib.util.spec_from_file_location("screen29", HERE.parent / "2026-12-06-session29/screen.py")
 s29 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(s29)
 s25, s, lg = s29.s25, s29.s, s29.lg
 
-s25.RUNS.update({"4K.gen1": s29.BASE, "4K.gen.s1": s29.BASE + ["--seed", "1"]})
-s25.STORE.update({"4K.gen1": "4kgen1", "4K.gen.s1": "4kgen"})
+s25.RUNS.update({"4K.gen1": s29.BASE, "4K.gen.s1": s29.BASE + ["--seed", "1"], "4K.len": s29.BASE})
+s25.STORE.update({"4K.gen1": "4kgen1", "4K.gen.s1": "4kgen", "4K.len": "4klen"})
 NAMES = s25.NAMES
 BENCH = ("--rows 384 --max-prompt-tokens 64 --batch-size 64 --max-new-tokens 256 --temperature 0.8 "
          "--passes 1 --modes on,hf,off,off:256")
 
 
 def stores_gen() -> bool:
-    """`stores/4kgen` (both samples) and `stores/4kgen1` (the first), from the carried replies, one at a
-    time (a precompute takes ~49 GB of the GPU at its token budget)."""
+    """`stores/4kgen` (both samples) and `stores/4kgen1` (the first), from the carried replies, and
+    `stores/4klen`, one at a time (a precompute takes ~49 GB of the GPU at its token budget)."""
     with lzma.open(HERE / "results/gen_4k.jsonl.xz", "rt") as f:
         gen = [line for line in f]
     with open(s.E / "data/train.jsonl") as f:
         first = [line for _, line in zip(range(4000), f)]
-    s.log(f"sampled replies: {len(gen)} carried")
-    for store, rows in (("4kgen", gen), ("4kgen1", [g for g in gen if json.loads(g)["id"].endswith(".s0")])):
+    ids = {json.loads(line)["id"] for line in first}  # all of them on the GPU; a dry run's few rows on a CPU
+    gen = [g for g in gen if json.loads(g)["id"].rsplit(".s", 1)[0] in ids]
+    s.log(f"sampled replies: {len(gen)} carried for the {len(first)} conversations")
+    gen1 = [g for g in gen if json.loads(g)["id"].endswith(".s0")]
+    for store, rows, extra in (("4kgen", gen, []), ("4kgen1", gen1, []), ("4klen", [], ["--max-length", "4096"])):
         if not any(s25.STORE.get(n) == store for n in NAMES):
             continue
         (s.E / f"data/train_{store}.jsonl").write_text("".join(first + rows))
         if s.run(f"precompute_{store}", s.DF + ["precompute", "--data", f"data/train_{store}.jsonl", "--out",
-                                                f"stores/{store}"] + s.ALL_ARGS, 300):
+                                                f"stores/{store}"] + s.ALL_ARGS + extra, 300):
             return False
     return True
 
