@@ -20,12 +20,10 @@ tokens (one padded width), sampled at 0.8, 64 rows a batch unless a mode says ot
 new every call: what ran at 1.1K tokens/s), `off` and `off:256`; TORCH_LOGS names recompiles and
 CUDA-graph perf hints in its log.  (Eight `dflash generate` processes on one GPU were measured before:
 2,232 tokens/s greedy at 48 rows, 1.7x one process: BENCHMARKS "`dflash generate` on the real target,
-alone"; not repeated.)  Last, `generate_x8`: `dflash generate` of the first X8_ROWS (2,048)
-first exchanges as the 4K.gen replies were made (temperature 0.8, 256 tokens, 64 rows, dynamic cache)
-by 8 processes on the one GPU (`--gpus 0,0,0,0,0,0,0,0`): its summary line gives the rate.
+alone"; not repeated.)
 
 Env: as session 29's screen.py (SCREEN, STEPS, EVERY, WORKERS, DEADLINE, /root/ex/deadline), BENCH_S
-(default 330), BENCH_ARGS (replaces the bench's arguments after --target/--data/--out), X8_ROWS, X8_GPUS.
+(default 330), BENCH_ARGS (replaces the bench's arguments after --target/--data/--out).
 """
 
 from __future__ import annotations
@@ -93,19 +91,6 @@ def bench() -> None:
     cmd = [sys.executable, str(s.CODE / "bench/generate_rate.py"), "--target", str(s.E / "model"), "--data",
            str(s.E / "data/train.jsonl"), "--out", str(s.E / "generate_rate.jsonl")]
     s.run("bench_generate", cmd + os.environ.get("BENCH_ARGS", BENCH).split(), left - 30)
-    os.environ.pop("TORCH_LOGS")
-    left = s25.deadline() - time.time()
-    if left < 150:
-        return s.log(f"generate_x8: skipped, {left:.0f} s left before the deadline")
-    # launch-bound decoding leaves the GPU idle between kernels: do 8 processes on it fill the gaps?
-    with open(s.E / "data/train.jsonl") as f, open(s.E / "data/prompts_x8.jsonl", "w") as out:
-        for _, line in zip(range(int(os.environ.get("X8_ROWS", 2048))), f):
-            r = json.loads(line)
-            out.write(json.dumps({"id": r["id"], "messages": r["messages"][:2]}, ensure_ascii=False) + "\n")
-    s.run("generate_x8", s.DF + ["generate", "--data", "data/prompts_x8.jsonl", "--out", "data/gen_x8.jsonl",
-                                 "--turns", "last", "--max-new-tokens", "256", "--temperature", "0.8",
-                                 "--batch-size", "64", "--gpus", os.environ.get("X8_GPUS", ",".join(["0"] * 8)),
-                                 "--overwrite"], left - 30)
 
 
 def main() -> None:
