@@ -12,14 +12,18 @@ Prints one JSON line per pass; `--out` writes them all.
 
 The real target and conversations (session 33: on them `--static-cache on` was no faster than off):
 
-    python bench/generate_rate.py --target model --data data/train.jsonl --rows 512 --batch-size 64 \
-        --temperature 0.8 --passes 1 --modes off,off:256,on,hf
+    python bench/generate_rate.py --target model --data data/train.jsonl --rows 512 --max-prompt-tokens 200 \
+        --batch-size 64 --temperature 0.8 --passes 1 --modes on,off:256,off,hf@file
 
 `--target` takes a checkpoint instead of the random one (its own eos, so replies end where it ends
-them), `--data` the first user turns of a conversations file. A mode is `off`, `on` (this package's
-static cache: one per width, reset between batches) or `hf` (transformers' own static cache, a new one
-per `generate` call, as before session 33), with `:ROWS` for another batch size. Each record lists
-every batch's rows, cache shape and seconds, so compiling, recording and replaying show apart.
+them), `--data` the first user turns of a conversations file. The rows go through `dflash generate`'s
+own loop (windows of four batches, a journal), shortest prompt first (`--order length`, as it takes
+them since session 33) or in file order (`--order file`: each window then mixes widths, as the
+session 33 lease's run did). A mode is `off`, `on` (this package's static cache: one per width, reset
+between batches) or `hf` (transformers' own static cache, a new one per `generate` call, sized to the
+longest seen so far, as before session 33), then `:ROWS` for another batch size and `@ORDER` for
+another order, e.g. `hf@file`. Each record lists every batch's rows, width, cache shape and seconds,
+so compiling, recording and replaying show apart; `--out` gets each record as its pass ends.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash.config import GenerateConfig  # noqa: E402
+from dflash.generate.drive import by_prompt_length, drive  # noqa: E402
+from dflash.generate.journal import Journal  # noqa: E402
 from dflash.generate.local import LocalEngine, Request  # noqa: E402
+from dflash.generate.rows import plan_row  # noqa: E402
 
 WORDS = "the a model token block anchor draft target layer cache batch store shard reply prompt".split()
 
@@ -82,23 +90,35 @@ class PerCallCache(LocalEngine):
         self.cache_kwarg = "cache_implementation"
 
     def _static_cache(self, rows: int, length: int) -> str:
-        self._cache_shape = (rows, length)
+        # transformers sizes its cache to the longest length any earlier call asked for
+        self._cache_shape = (rows, max(length, getattr(self.model, "_previous_max_cache_length", -1)))
         return "static"
 
 
-def run_pass(eng, reqs, seed: int) -> tuple[list, list[dict]]:
-    batches, t = [], time.perf_counter()
+def run_pass(eng, cfg, reqs, order: str) -> tuple[int, list[dict]]:
+    """The rows through `dflash generate`'s own loop (windows of 4 batches, journalled), shortest prompt
+    first or in file order; returns the new tokens and every batch's rows, cache shape and seconds."""
+    rows = [{"messages": r.messages} for r in reqs]
+    plans = [plan_row(row, i, "bench", "last") for i, row in enumerate(rows)]
+    todo = by_prompt_length(plans) if order == "length" else plans
+    batches, inner, tokens = [], eng._batch, [0]
 
-    def on_batch(responses):
-        nonlocal t
+    def timed(prompts, seed):
+        t = time.perf_counter()
+        out = inner(prompts, seed)
         if eng.device.type == "cuda":
             torch.cuda.synchronize()
-        now = time.perf_counter()
-        batches.append({"rows": len(responses), "cache": list(eng._cache_shape or ()), "s": round(now - t, 3),
-                        "tokens": sum(r.tokens for r in responses)})
-        t = now
+        batches.append({"rows": len(prompts), "cache": list(eng._cache_shape or ()) if eng.static else [],
+                        "width": max(len(p) for p in prompts), "s": round(time.perf_counter() - t, 3)})
+        return out
 
-    return eng.generate(reqs, seed=seed, on_batch=on_batch), batches
+    eng._batch = timed
+    with tempfile.TemporaryDirectory() as work:
+        journal = Journal(Path(work), 0)
+        drive(eng, cfg, rows, todo, journal, lambda n, t: tokens.__setitem__(0, tokens[0] + t))
+        journal.close()
+    eng._batch = inner
+    return tokens[0], batches
 
 
 def main() -> None:
@@ -114,6 +134,8 @@ def main() -> None:
     ap.add_argument("--data", help="a conversations JSONL whose first user turns are the prompts")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-prompt-tokens", type=int, help="with --data: only prompts of at most this many tokens")
+    ap.add_argument("--order", choices=["length", "file"], default="length",
+                    help="rows shortest prompt first, as `dflash generate` takes them since session 33, or in file order")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--work", default="/tmp/generate_rate")
     ap.add_argument("--out")
@@ -128,10 +150,12 @@ def main() -> None:
             text = tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
             return len(tok(text, add_special_tokens=False)["input_ids"]) <= a.max_prompt_tokens
     reqs = prompts(a.rows, a.max_words, a.data, fits)
-    results = []
+    if a.out:
+        Path(a.out).write_text("")  # a record is appended as each pass ends: a run cut short keeps its passes
     for spec in a.modes.split(","):
+        spec, _, order = spec.partition("@")
         mode, _, rows = spec.partition(":")
-        bs = int(rows or a.batch_size)
+        bs, order = int(rows or a.batch_size), order or a.order
         cfg = GenerateConfig(target=str(target), gpus=a.device, batch_size=bs, max_new_tokens=a.max_new_tokens,
                              static_cache="off" if mode == "off" else "on", temperature=a.temperature)
         eng = (PerCallCache if mode == "hf" else LocalEngine)(cfg, a.device)
@@ -140,22 +164,21 @@ def main() -> None:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            out, batches = run_pass(eng, reqs, seed=p)
+            toks, batches = run_pass(eng, cfg, reqs, order)
             wall = time.perf_counter() - t
-            toks = sum(r.tokens for r in out)
-            rec = {"mode": mode, "static_cache": cfg.static_cache, "pass": p + 1, "rows": len(out), "new_tokens": toks,
-                   "wall_s": round(wall, 2), "tokens_per_s": round(toks / wall, 1), "rows_per_s": round(len(out) / wall, 2),
-                   "batch_size": bs, "max_new_tokens": a.max_new_tokens, "temperature": a.temperature,
-                   "target": a.target or "random", "device": a.device,
+            rec = {"mode": mode, "static_cache": cfg.static_cache, "order": order, "pass": p + 1, "rows": len(reqs),
+                   "new_tokens": toks, "wall_s": round(wall, 2), "tokens_per_s": round(toks / wall, 1),
+                   "rows_per_s": round(len(reqs) / wall, 2), "batch_size": bs, "max_new_tokens": a.max_new_tokens,
+                   "temperature": a.temperature, "seed": cfg.seed, "target": a.target or "random", "device": a.device,
                    "prompt_tokens_max": max(len(eng.encode(r.messages)) for r in reqs), "batches": batches}
             if a.device.startswith("cuda"):
                 rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 rec["gpu"] = torch.cuda.get_device_name()
             print(json.dumps({k: v for k, v in rec.items() if k != "batches"}), flush=True)
-            results.append(rec)
+            if a.out:
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
         del eng
-    if a.out:
-        Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in results))
 
 
 if __name__ == "__main__":
