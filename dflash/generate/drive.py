@@ -37,8 +37,8 @@ def by_prompt_length(todo: list[Plan]) -> list[Plan]:
     """The rows in order of their first prompt's length (characters; ties by row), for the in-process
     engine: a window then holds prompts of one length class, so its batches pad little and, with the
     static cache, keep one width, one cache and one set of CUDA graphs from batch to batch. In file
-    order a window mixes short and long prompts and the width jumps every batch (DESIGN §10). The output
-    is assembled by row, so the order changes no file."""
+    order a window mixes short and long prompts and the width falls back at every window (DESIGN §10).
+    The output is assembled by row, so the order changes no file."""
 
     def chars(p: Plan) -> int:
         return sum(len(str(m.get("content") or "")) for m in p.messages[:p.turns[0]]) if p.turns else 0
