@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash.config import GenerateConfig  # noqa: E402
-from dflash.generate.drive import by_prompt_length, drive  # noqa: E402
+from dflash.generate.drive import drive  # noqa: E402
 from dflash.generate.journal import Journal  # noqa: E402
 from dflash.generate.local import LocalEngine, Request  # noqa: E402
 from dflash.generate.rows import plan_row  # noqa: E402
@@ -100,7 +100,6 @@ def run_pass(eng, cfg, reqs, order: str) -> tuple[int, list[dict]]:
     first or in file order; returns the new tokens and every batch's rows, cache shape and seconds."""
     rows = [{"messages": r.messages} for r in reqs]
     plans = [plan_row(row, i, "bench", "last") for i, row in enumerate(rows)]
-    todo = by_prompt_length(plans) if order == "length" else plans
     batches, inner, tokens = [], eng._batch, [0]
 
     def timed(prompts, seed):
@@ -115,7 +114,8 @@ def run_pass(eng, cfg, reqs, order: str) -> tuple[int, list[dict]]:
     eng._batch = timed
     with tempfile.TemporaryDirectory() as work:
         journal = Journal(Path(work), 0)
-        drive(eng, cfg, rows, todo, journal, lambda n, t: tokens.__setitem__(0, tokens[0] + t))
+        drive(eng, cfg, rows, plans, journal, lambda n, t: tokens.__setitem__(0, tokens[0] + t),
+              ordered=order == "length")
         journal.close()
     eng._batch = inner
     return tokens[0], batches

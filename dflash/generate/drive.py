@@ -33,17 +33,20 @@ def make_engine(cfg, device: str | None):
     return LocalEngine(cfg, device or "cpu")
 
 
-def by_prompt_length(todo: list[Plan]) -> list[Plan]:
-    """The rows in order of their first prompt's length (characters; ties by row), for the in-process
-    engine: a window then holds prompts of one length class, so its batches pad little and, with the
-    static cache, keep one width, one cache and one set of CUDA graphs from batch to batch. In file
-    order a window mixes short and long prompts and the width falls back at every window (DESIGN §10).
-    The output is assembled by row, so the order changes no file."""
+def by_prompt_length(todo: list[Plan], length=None) -> list[Plan]:
+    """The rows in order of their first prompt's length (`length(messages)`, default characters; ties by
+    row), for the in-process engine: a window then holds prompts of one length class, so its batches pad
+    little and, with the static cache, keep one width, one cache and one set of CUDA graphs from batch to
+    batch. In file order a window mixes short and long prompts and the width falls back at every window
+    (DESIGN §10). The output is assembled by row, so the order changes no file."""
 
-    def chars(p: Plan) -> int:
-        return sum(len(str(m.get("content") or "")) for m in p.messages[:p.turns[0]]) if p.turns else 0
+    def size(p: Plan) -> int:
+        if not p.turns:
+            return 0
+        before = p.messages[:p.turns[0]]
+        return length(before) if length else sum(len(str(m.get("content") or "")) for m in before)
 
-    return sorted(todo, key=lambda p: (chars(p), p.row))
+    return sorted(todo, key=lambda p: (size(p), p.row))
 
 
 def window_size(cfg) -> int:
@@ -90,9 +93,14 @@ def run_window(engine, cfg, rows: list[dict], chunk: list[Plan], emit=None) -> l
     return [record(p.row) for p in chunk if p.row not in sent]
 
 
-def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report) -> None:
+def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report, ordered: bool = True) -> None:
     """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time, so
-    a stopped or killed run loses at most the batch in flight."""
+    a stopped or killed run loses at most the batch in flight.  An engine that measures prompts in tokens
+    (in-process) takes the rows shortest first unless `ordered` is False."""
+    if ordered and hasattr(engine, "prompt_length"):
+        # in tokens: characters put a code or non-Latin prompt in a window of short ones (a width of
+        # 2,048 among 64s), which sends the width back at the next window
+        todo = by_prompt_length(todo, engine.prompt_length)
 
     def emit(records: list[dict]) -> None:
         if records:
@@ -135,7 +143,6 @@ def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -
         from dflash.generate.local import static_cache_note
 
         devices = local_devices(cfg.gpus)
-        todo = by_prompt_length(todo)
         if devices == ["cpu"]:
             print("generate: running in-process on CPU (no GPU requested or available).", flush=True)
         note = static_cache_note(cfg.static_cache, devices, len(todo))

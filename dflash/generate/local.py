@@ -101,6 +101,10 @@ class LocalEngine:
                                                   **template_kwargs(self.cfg.thinking))
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def prompt_length(self, messages: list[dict]) -> int:
+        """The prompt's tokens: `dflash generate` orders its rows by it (drive.by_prompt_length)."""
+        return len(self.encode(messages))
+
     def decode(self, ids: list[int]) -> str:
         """Special tokens skipped, as servers do, but thinking markers kept."""
         parts, run = [], []

@@ -1,5 +1,6 @@
-"""`dflash generate` in-process takes the rows shortest prompt first: each window then holds one length
-class, so the static cache keeps one width (one cache, one set of CUDA graphs) from batch to batch."""
+"""`dflash generate` in-process takes the rows shortest prompt (in tokens) first: each window then holds
+one length class, so the static cache keeps one width (one cache, one set of CUDA graphs) from batch to
+batch."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def test_rows_go_by_prompt_length_so_that_a_width_keeps_its_static_cache(tmp_pat
     eng = LocalEngine(cfg, "cpu")
     new_cache = eng._static_cache
 
-    def run(todo, name):
+    def run(ordered, name):
         lengths = []
 
         def spy(rows_, length):
@@ -33,13 +34,13 @@ def test_rows_go_by_prompt_length_so_that_a_width_keeps_its_static_cache(tmp_pat
         eng._static_cache = spy
         (tmp_path / name).mkdir()
         journal = Journal(tmp_path / name, 0)
-        drive(eng, cfg, rows, todo, journal, lambda n, t: None)
+        drive(eng, cfg, rows, plans, journal, lambda n, t: None, ordered=ordered)
         journal.close()
         return lengths, {r: rec["out"] for r, rec in load_records(tmp_path / name).items()}
 
-    file_widths, file_out = run(plans, "file")
-    sorted_widths, sorted_out = run(by_prompt_length(plans), "sorted")
-    order = [p.row for p in by_prompt_length(plans)]
+    file_widths, file_out = run(False, "file")
+    sorted_widths, sorted_out = run(True, "sorted")
+    order = [p.row for p in by_prompt_length(plans, eng.prompt_length)]
     assert set(order[:4]) == {0, 2, 4, 6} and set(order[4:]) == {1, 3, 5, 7}  # the short prompts first
     # windows of 4 rows in file order: each sorts its own, so the width falls back at every window
     assert file_widths != sorted(file_widths) and len(set(file_widths)) == 2
