@@ -89,6 +89,24 @@ def test_static_cache_is_reset_and_reused_across_the_batches_of_one_width(tmp_pa
     assert shape3[1] > shape1[1] and keys3 is not keys1  # the long prompt's wider batch has a cache of its own
 
 
+def test_the_decode_step_compiles_once_for_the_batches_of_a_width():
+    # the engine's own cache still gets transformers' compiled decode step, once for a width (whether the
+    # CUDA graphs then replay is a GPU matter: the cache-reuse test checks the tensors stay the same).
+    # transformers compiles only on accelerators unless told to compile on every device; Dynamo's eager
+    # backend counts the compilations without paying for Inductor on the CPU
+    from torch._dynamo.utils import counters
+    from transformers.generation import CompileConfig
+
+    reqs = [Request(i, [{"role": "user", "content": t}]) for i, t in enumerate(["Hi.", "Two plus two?", "Yes?", "Red."])]
+    eng = LocalEngine(cfg(target=EMBEDDED, max_new_tokens=8, batch_size=2, static_cache="on", temperature=0.8), "cpu")
+    every_device = CompileConfig(backend="eager", mode=None)
+    every_device._compile_all_devices = True
+    eng.model.generation_config.compile_config = every_device
+    before = counters["frames"]["ok"]
+    eng.generate(reqs)
+    assert eng._cache_shape[1] < 128 and counters["frames"]["ok"] - before == 1  # two batches, one graph
+
+
 def test_static_width_is_a_power_of_two_that_leaves_room_for_the_reply():
     assert [static_width(w, 512, 8192) for w in (1, 64, 65, 300, 1024, 1025)] == [64, 64, 128, 512, 1024, 2048]
     # near the context the width stops where --max-new-tokens still fits, and never cuts the prompt
