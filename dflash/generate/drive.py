@@ -33,20 +33,13 @@ def make_engine(cfg, device: str | None):
     return LocalEngine(cfg, device or "cpu")
 
 
-def by_prompt_length(todo: list[Plan], length=None) -> list[Plan]:
-    """The rows in order of their first prompt's length (`length(messages)`, default characters; ties by
+def by_prompt_length(todo: list[Plan], length) -> list[Plan]:
+    """The rows in order of their first prompt's length (`length(messages)`, the engine's tokens; ties by
     row), for the in-process engine: a window then holds prompts of one length class, so its batches pad
     little and, with the static cache, keep one width, one cache and one set of CUDA graphs from batch to
     batch. In file order a window mixes short and long prompts and the width falls back at every window
     (DESIGN §10). The output is assembled by row, so the order changes no file."""
-
-    def size(p: Plan) -> int:
-        if not p.turns:
-            return 0
-        before = p.messages[:p.turns[0]]
-        return length(before) if length else sum(len(str(m.get("content") or "")) for m in before)
-
-    return sorted(todo, key=lambda p: (size(p), p.row))
+    return sorted(todo, key=lambda p: (length(p.messages[:p.turns[0]]) if p.turns else 0, p.row))
 
 
 def window_size(cfg) -> int:
@@ -196,4 +189,4 @@ def _spawn(cfg, work, rows, todo, devices: list[str], bar: Bar) -> None:
         raise_failure(failure, f"generate process {failure[1]} ({devices[failure[1]]})",
                       "The rows finished so far are kept: rerun the same command to continue.", GenerateError)
 
-__all__ = ["generate_rows", "drive", "run_window", "make_engine", "by_prompt_length", "window_size"]
+__all__ = ["generate_rows", "drive", "run_window", "make_engine", "by_prompt_length"]
