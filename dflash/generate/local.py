@@ -191,17 +191,17 @@ class LocalEngine:
         return [row[width:].tolist() for row in seqs[:real].cpu()]
 
 
-STATIC_CACHE_ROWS = 3000  # ~5 widths x ~170K tokens each to repay their compiling, at ~300 tokens a reply
+STATIC_CACHE_ROWS = 1000  # ~100K tokens repay ~70 s of compiling at the real 135M target's rates, ~300 tokens a reply
 
 
 def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str | None:
-    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs are
-    ~3.7x faster for a small target (docs/BENCHMARKS.md, session 32)."""
+    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs
+    decoded a 135M target 7.4x faster (docs/BENCHMARKS.md, session 34)."""
     if static_cache != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
         return None
     return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "
-            "--static-cache on can decode several times faster (CUDA graphs: 3.7x for a random 135M target) "
-            "after ~40 s of compiling per prompt width.")
+            "--static-cache on can decode several times faster (CUDA graphs: 7.4x for SmolLM2-135M at 64 rows a "
+            "batch) after ~70 s of compiling.")
 
 
 def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:

@@ -135,7 +135,8 @@ def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_ta
     gen, pre, train = built["generate_heldout"], built["precompute_heldout"], built["train"]
     assert "generate" in built and "eval" in built
     assert (gen.data, gen.turns, gen.dtype, gen.temperature) == ("data/heldout.jsonl", "last", "fp32", 0.0)
-    assert (built["generate"].static_cache, gen.static_cache) == ("off", "off")  # no gain measured on the real target
+    # thousands of training replies repay the compiling; 200 held-out ones would wait on it
+    assert (built["generate"].static_cache, gen.static_cache) == ("on", "off")
     assert str(pre.data) == str(gen.out) and str(train.monitor.eval_store) == str(pre.out)
     assert gen.max_new_tokens > train.monitor.eval_walk_tokens > 0  # replies not cut inside the walk
     assert pre.max_length >= 8192 and pre.hidden_dtype == "bf16"  # whole histories, as the engine sees them
