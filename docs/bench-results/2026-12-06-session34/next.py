@@ -12,8 +12,12 @@ the data for the 17K run and screens two more levers on 4K:
              exchange: with session 33's, 2 for every one of the 17,129; it comes back compressed in
              `out/`, so the lease after trains on all 17K + 34K replies without generating
   4K.gen4    BASE on `stores/4kgen4`: the 4,000 conversations and 4 sampled replies to each
-  4K.gen4.s1 the same with `--seed 1` (4K.gen's two seeds were 0.041 apart)
+  4K.gen.6k  4K.gen (BASE on `stores/4kgen`: 2 sampled replies a conversation) for a 6,000-step cosine:
+             with 3x the samples, 4,000 steps were ~9 epochs against the baseline's ~21, and 4K.gen still
+             gained 0.02-0.03 over its last 1,000 steps; whether more steps pay decides the length of the
+             17K run (`after.py`: 20,000 steps are ~8 epochs of 17K conversations + 34K replies)
   4K.b8      BASE with `--block-size 8` on `stores/4k`: block 8 against 16 online (tau is capped at 8)
+  4K.gen4.s1 4K.gen4 with `--seed 1` (not in the default SCREEN; 4K.gen's two seeds were 0.041 apart)
 
 Sampling as session 33's: temperature 0.8, at most GEN_TOKENS (256) new tokens, `--static-cache on`,
 GEN_BATCH (128) rows a batch, one process on GPU 0.  gen_4k23 goes first (4K.gen4 waits on it), then
@@ -21,7 +25,7 @@ gen_17k runs beside the trainers.  If the deadline comes first, the rows finishe
 generate's journal into `out/gen_17k.partial.jsonl.xz` (the next lease generates the rest).
 
 Env: as session 29's screen.py (SCREEN, STEPS, EVERY, WORKERS, DEADLINE, /root/ex/deadline), GEN_BATCH,
-GEN_TOKENS, GEN_GPUS, GEN_EXTRA (replaces `--static-cache on`), N4K (the 4K subset's size, default 4000:
+GEN_TOKENS, GEN_GPUS, GEN_EXTRA (replaces `--static-cache on`), STEPS_6K (4K.gen.6k's steps), N4K (the 4K subset's size, default 4000:
 a dry run's few rows).
 """
 
@@ -36,7 +40,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-for k, v in {"SCREEN": "4K.gen4,4K.gen4.s1,4K.b8", "STEPS": "4000", "EVERY": "1000", "GEN_GPUS": "0"}.items():
+for k, v in {"SCREEN": "4K.gen4,4K.gen.6k,4K.b8", "STEPS": "4000", "EVERY": "1000", "GEN_GPUS": "0"}.items():
     os.environ.setdefault(k, v)
 _spec = importlib.util.spec_from_file_location("screen29", HERE.parent / "2026-12-06-session29/screen.py")
 s29 = importlib.util.module_from_spec(_spec)
@@ -44,8 +48,9 @@ _spec.loader.exec_module(s29)
 s25, s, lg = s29.s25, s29.s, s29.lg
 
 s25.RUNS.update({"4K.gen4": s29.BASE, "4K.gen4.s1": s29.BASE + ["--seed", "1"],
-                 "4K.b8": s29.BASE + ["--block-size", "8"]})
-s25.STORE.update({"4K.gen4": "4kgen4", "4K.gen4.s1": "4kgen4", "4K.b8": "4k"})
+                 "4K.b8": s29.BASE + ["--block-size", "8"], "4K.gen.6k": s29.BASE})
+s25.STORE.update({"4K.gen4": "4kgen4", "4K.gen4.s1": "4kgen4", "4K.b8": "4k", "4K.gen.6k": "4kgen"})
+STEPS_OF = {"4K.gen.6k": int(os.environ.get("STEPS_6K", 6000))}
 NAMES = s25.NAMES
 N4K = int(os.environ.get("N4K", 4000))
 CARRIED = HERE.parent / "2026-12-06-session33/results/gen_4k.jsonl.xz"
@@ -72,16 +77,30 @@ def generate(name: str, rows: list[str], samples: range, seed: int):
         "--overwrite"] + extra)
 
 
-def precompute_4kgen4(first: list[str]):
-    """Background: `stores/4kgen4`, the 4K conversations and their 4 sampled replies (2 carried, 2 new)."""
+def carried(first: list[str]) -> list[str]:
+    """Session 33's sampled replies to these conversations (all 4,000 on the GPU; a dry run's few)."""
     ids = {json.loads(line)["id"] for line in first}
     with lzma.open(CARRIED, "rt") as f:
-        carried = [g for g in f if json.loads(g)["id"].rsplit(".s", 1)[0] in ids]
+        return [g for g in f if json.loads(g)["id"].rsplit(".s", 1)[0] in ids]
+
+
+def precompute_4kgen4(first: list[str]):
+    """Background: `stores/4kgen4`, the 4K conversations and their 4 sampled replies (2 carried, 2 new)."""
+    old = carried(first)
     new = (s.E / "data/gen_4k23.jsonl").read_text()
-    (s.E / "data/train_4kgen4.jsonl").write_text("".join(first + carried) + new)
-    s.log(f"stores/4kgen4: {len(first)} conversations, {len(carried)} carried replies, {new.count(chr(10))} new")
+    (s.E / "data/train_4kgen4.jsonl").write_text("".join(first + old) + new)
+    s.log(f"stores/4kgen4: {len(first)} conversations, {len(old)} carried replies, {new.count(chr(10))} new")
     return s.bg("precompute_4kgen4", s.DF + ["precompute", "--data", "data/train_4kgen4.jsonl", "--out",
                                             "stores/4kgen4"] + s.ALL_ARGS)
+
+
+def store_4kgen(first: list[str]) -> bool:
+    """`stores/4kgen`: the 4K conversations and session 33's 2 sampled replies to each (session 34's store)."""
+    if not any(s25.STORE[n] == "4kgen" for n in NAMES):
+        return True
+    (s.E / "data/train_4kgen.jsonl").write_text("".join(first + carried(first)))
+    return s.run("precompute_4kgen", s.DF + ["precompute", "--data", "data/train_4kgen.jsonl", "--out",
+                                            "stores/4kgen"] + s.ALL_ARGS, 300) == 0
 
 
 def keep(name: str, partial: bool = False) -> None:
@@ -105,8 +124,8 @@ def screen(gen23, convs: list[str]) -> None:
     """The runs, each started once its store is written; gen_17k started after gen_4k23."""
     every = ["--save-every", s25.EVERY, "--eval-every", s25.EVERY, "--eval-store", "stores/online_gen",
              "--eval-walk-tokens", "128"]
-    start = lambda n: s.bg(f"train_{n}", s.train_cmd(n, s25.STORE[n], s25.STEPS, s25.RUNS[n], every))  # noqa: E731
-    procs = {n: start(n) for n in NAMES if s25.STORE[n] != "4kgen4"}
+    start = lambda n: s.bg(f"train_{n}", s.train_cmd(n, s25.STORE[n], STEPS_OF.get(n, s25.STEPS), s25.RUNS[n], every))  # noqa: E731
+    procs = {n: start(n) for n in NAMES if s25.STORE[n] != "4kgen4"}  # 4K.gen4 waits for its replies
     gen17 = pre = None
     while gen23 or gen17 or pre or any(p.poll() is None for p in procs.values()):
         if gen23 and gen23.poll() is not None:
@@ -146,7 +165,7 @@ def main() -> None:
     convs = conversations()
     online = s25.s24.online_gen()
     gen23 = generate("gen_4k23", convs[:N4K], range(2, 4), 1)
-    if not s25.store_4k() or not s25.online_gen_store(online):
+    if not s25.store_4k() or not store_4kgen(convs[:N4K]) or not s25.online_gen_store(online):
         return s.log("driver: a store failed; stopping")
     screen(gen23, convs)
     s.log("driver: done")
