@@ -20,11 +20,11 @@ the data for the 17K run and screens two more levers on 4K:
   4K.gen4.s1 4K.gen4 with `--seed 1` (not in the default SCREEN; 4K.gen's two seeds were 0.041 apart)
 
 Sampling as session 33's: temperature 0.8, at most GEN_TOKENS (256) new tokens, `--static-cache on`,
-GEN_BATCH (128) rows a batch, one process on GPU 0.  gen_4k23 goes first (4K.gen4 waits on it), then
+GEN_BATCH_REPLIES (128) rows a batch, one process on GPU 0.  gen_4k23 goes first (4K.gen4 waits on it), then
 gen_17k runs beside the trainers.  If the deadline comes first, the rows finished so far are taken from
 generate's journal into `out/gen_17k.partial.jsonl.xz` (the next lease generates the rest).
 
-Env: as session 29's screen.py (SCREEN, STEPS, EVERY, WORKERS, DEADLINE, /root/ex/deadline), GEN_BATCH,
+Env: as session 29's screen.py (SCREEN, STEPS, EVERY, WORKERS, DEADLINE, /root/ex/deadline), GEN_BATCH_REPLIES,
 GEN_TOKENS, GEN_GPUS, GEN_EXTRA (replaces `--static-cache on`), STEPS_6K (4K.gen.6k's steps), N4K (the 4K subset's size, default 4000:
 a dry run's few rows).
 """
@@ -73,7 +73,7 @@ def generate(name: str, rows: list[str], samples: range, seed: int):
     return s.bg(f"generate_{name}", s.DF + [
         "generate", "--data", f"data/prompts_{name}.jsonl", "--out", f"data/{name}.jsonl", "--turns", "last",
         "--max-new-tokens", os.environ.get("GEN_TOKENS", "256"), "--temperature", "0.8", "--seed", str(seed),
-        "--batch-size", os.environ.get("GEN_BATCH", "128"), "--gpus", os.environ.get("GEN_GPUS", "0"),
+        "--batch-size", os.environ.get("GEN_BATCH_REPLIES", "128"), "--gpus", os.environ.get("GEN_GPUS", "0"),
         "--overwrite"] + extra)
 
 
@@ -158,7 +158,7 @@ def screen(gen23, convs: list[str]) -> None:
 def main() -> None:
     (s.E / "logs").mkdir(exist_ok=True)
     (s.E / "eval").mkdir(exist_ok=True)
-    s.log(f"driver (session 34's plan): {NAMES}, {s25.STEPS} steps each, walk on online_gen every {s25.EVERY}; "
+    s.log(f"driver (session 34's plan): {NAMES}, {s25.STEPS} steps each but {STEPS_OF}, walk on online_gen every {s25.EVERY}; "
           f"gen_4k23 then gen_17k; deadline {time.strftime('%H:%M:%S', time.gmtime(s25.deadline()))}")
     if not (s.E / "model/config.json").exists() and s.run("target", [sys.executable, "stages/target.py"], 300):
         return s.log("driver: the target stage failed; stopping")
