@@ -41,6 +41,9 @@ class GenerateConfig(Options):
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
     seed: int = opt(0, "Sampling seed (row r of a request is seeded seed + r on servers that take a seed).")
+    samples: int = opt(1, "Sampled responses per row (needs --temperature > 0): the output holds the rows N times, "
+                       "all rows' first sample, then all rows' second, ...; a row's `id` gets the suffix .s0, "
+                       ".s1, ... Train on them beside the dataset's own replies (docs/RECIPE.md).")
     thinking: Thinking = opt("template", "The chat template's thinking switch (enable_thinking): on, off, or the "
                              "template's own default. Match the serving setup.")
     turns: Turns = opt("all", "Assistant turns to regenerate: all (each after the target's own earlier turns), last, "

@@ -18,13 +18,14 @@ import shutil
 import sys
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 from dflash.chat import dataset_fingerprint, load_rows
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError
 from dflash.generate import journal as jr
-from dflash.generate.rows import plan_row
+from dflash.generate.rows import Plan, plan_row
 from dflash.locks import dir_lock
 
 
@@ -43,6 +44,10 @@ def _check_config(cfg: GenerateConfig) -> None:
         (cfg.timeout > 0, "--timeout must be positive"),
         (cfg.retries >= 0, "--retries must be 0 or more"),
         (cfg.max_samples is None or cfg.max_samples >= 1, "--max-samples must be at least 1"),
+        (cfg.samples >= 1, "--samples must be at least 1"),
+        (cfg.samples == 1 or cfg.temperature > 0, "--samples > 1 needs --temperature > 0: greedy decoding writes "
+         "the same response every time"),
+        (cfg.samples == 1 or cfg.turns != "none", "--samples > 1 needs responses to generate, not --turns none"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -65,7 +70,7 @@ def _target_inputs(target: str) -> dict:
 def inputs_of(cfg: GenerateConfig, num_rows: int) -> dict:
     """What the output depends on; a journal made from other inputs is not resumed."""
     d = {"data": dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples), "num_rows": num_rows,
-         "turns": cfg.turns}
+         "turns": cfg.turns, "samples": cfg.samples}
     if cfg.turns == "none":
         return d
     d.update({k: getattr(cfg, k) for k in ("max_new_tokens", "temperature", "top_p", "seed", "thinking")})
@@ -132,6 +137,8 @@ def _run(cfg: GenerateConfig, out: Path) -> dict:
     ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
     rows = [dict(r) for r in ds]
     plans = [plan_row(r, i, cfg.data, cfg.turns) for i, r in enumerate(rows)]
+    if cfg.samples > 1:
+        rows, plans = sampled_copies(rows, plans, cfg.samples)
     inputs = inputs_of(cfg, len(rows))
     _preflight(cfg)
     work = _prepare_work(cfg, out, inputs)
@@ -156,6 +163,21 @@ def _run(cfg: GenerateConfig, out: Path) -> dict:
     jr.write_meta(work, {**meta, "sha256": sha, "summary": summary})
     print_summary(out, summary)
     return summary
+
+
+def sampled_copies(rows: list[dict], plans: list[Plan], samples: int) -> tuple[list[dict], list[Plan]]:
+    """Each row `samples` times, sample-major (every row's .s0, then every row's .s1, ...: a run stopped
+    early still covers the dataset once); an `id` gets the suffix .sK so that the copies stay apart.
+    Every copy is its own journal row, so the engine seeds it apart from its twins and a resumed run
+    skips the copies already done."""
+    n = len(rows)
+
+    def copy(row: dict, k: int) -> dict:
+        return {**row, "id": f"{row['id']}.s{k}"} if row.get("id") is not None else dict(row)
+
+    out_rows = [copy(rows[i], k) for k in range(samples) for i in range(n)]
+    out_plans = [replace(plans[i], row=k * n + i) for k in range(samples) for i in range(n)]
+    return out_rows, out_plans
 
 
 def summarize(records: dict[int, dict], num_rows: int, generated: int, new_tokens: int, wall_s: float) -> dict:
@@ -185,4 +207,4 @@ def print_summary(out: Path, s: dict) -> None:
     )
 
 
-__all__ = ["run_generate", "inputs_of", "summarize"]
+__all__ = ["run_generate", "inputs_of", "summarize", "sampled_copies"]

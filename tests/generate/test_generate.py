@@ -251,3 +251,36 @@ def test_in_process_rows_reach_the_journal_a_batch_at_a_time(tmp_path, long_targ
     assert [lines for _, lines in seen] == [2, 4, 6, 8, 10]  # each batch in the journal when reported
     recs = load_records(work)
     assert sorted(recs) == list(range(10)) and all(r["out"] is not None and r["tokens"] == 6 for r in recs.values())
+
+
+def test_samples_write_every_row_n_times_sampled_apart_and_resume_by_copy(tmp_path, long_target, capsys):
+    # a random target that never stops: its sampled replies differ unless the twins share their draws (the
+    # embedded target is too sure of itself to tell)
+    src = [json.loads(x) for x in (ROOT / "data" / "heldout.jsonl").read_text().splitlines()[:3]]
+    rows = [{"id": f"c{i}", "messages": r["messages"][:2]} for i, r in enumerate(src[:2])]
+    rows.append({"messages": src[2]["messages"][:2]})  # no id: copies stay as they are
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    opts = dict(target=long_target, data=data, out=out, samples=2, temperature=1.0, max_new_tokens=8, turns="last")
+    summary = run_generate(cfg(**opts))
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert summary["rows"] == 6 and summary["num_rows"] == 6
+    assert [r.get("id") for r in got] == ["c0.s0", "c1.s0", None, "c0.s1", "c1.s1", None]  # sample-major
+    for k, r in enumerate(got):
+        assert r["messages"][0] == rows[k % 3]["messages"][0] and r["messages"][1]["role"] == "assistant"
+    replies = [r["messages"][1]["content"] for r in got]
+    assert summary["tokens"] == 6 * 8 and all(replies[i] != replies[i + 3] for i in range(3))  # twins apart
+    assert run_generate(cfg(**opts))["generated_now"] == 0 and "already complete" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="other inputs \\(changed: num_rows, samples"):
+        run_generate(cfg(**{**opts, "samples": 3}))
+    assert [json.loads(x) for x in out.read_text().splitlines()] == got
+
+
+def test_samples_are_refused_where_they_would_be_copies(tmp_path, chats):
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ConfigError, match="--samples > 1 needs --temperature > 0"):
+        run_generate(cfg(target=EMBEDDED, data=chats, out=out, samples=2))
+    with pytest.raises(ConfigError, match="--samples must be at least 1"):
+        run_generate(cfg(target=EMBEDDED, data=chats, out=out, samples=0, temperature=0.8))
+    assert not out.exists() and not work_dir(out).exists()
