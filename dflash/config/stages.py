@@ -33,6 +33,9 @@ class GenerateConfig(Options):
                     "loop leaves the GPU idle).")
     dtype: AutoDtype = opt("auto", "In-process dtype: auto = bf16 on GPU, fp32 on CPU.")
     batch_size: int = opt(32, "In-process: rows per generate batch (prompts of similar length batched together).")
+    batch_tokens: int = opt(262144, "In-process: at most this many positions a batch, rows x (padded prompt width + "
+                            "--max-new-tokens): batches of long prompts get fewer rows, so that their KV cache and "
+                            "attention mask fit beside the model (a prompt longer than this goes alone).")
     static_cache: AutoOnOff = opt("off", "In-process: a static KV cache, prompts left-padded to a power-of-two width "
                                   "and batches to --batch-size rows, so that transformers' generate compiles the "
                                   "decode step into CUDA graphs once per width (auto: on for CUDA; off on CPU, "

@@ -139,14 +139,33 @@ class LocalEngine:
         if on_batch is not None and out:
             on_batch(list(out.values()))
         ok.sort(key=lambda k: (len(encoded[k]), k))
-        bs = max(1, self.cfg.batch_size)
-        for b in range(0, len(ok), bs):
-            keys = ok[b:b + bs]
+        b = 0
+        while b < len(ok):
+            keys = ok[b:b + max(1, self.cfg.batch_size)]
+            # sorted by length, so dropping the longest rows can only narrow the batch: it still fits
+            keys = keys[:self.rows_for(self.width_for(len(encoded[keys[-1]])))]
+            b += len(keys)
             for key, ids in zip(keys, self._batch([encoded[k] for k in keys], seed + keys[0])):
                 out[key] = self._finish(key, ids)
             if on_batch is not None:
                 on_batch([out[k] for k in keys])
         return [out[r.key] for r in requests]
+
+    def width_for(self, longest: int) -> int:
+        """A batch's prompt width: its longest prompt, or with the static cache that padded (static_width)."""
+        return static_width(longest, self.cfg.max_new_tokens, self.max_positions) if self.static else longest
+
+    def new_tokens_for(self, width: int) -> int:
+        """--max-new-tokens, held inside the target's context."""
+        if self.max_positions:
+            return max(1, min(self.cfg.max_new_tokens, self.max_positions - width))
+        return self.cfg.max_new_tokens
+
+    def rows_for(self, width: int) -> int:
+        """Rows a batch of this width holds: --batch-size, fewer where rows x (width + new tokens) would pass
+        --batch-tokens. The KV cache grows with that product, and the prefill's attention mask with it
+        times the width (DESIGN §10); one count per width keeps the static cache's shapes few."""
+        return max(1, min(self.cfg.batch_size, self.cfg.batch_tokens // (width + self.new_tokens_for(width))))
 
     def _static_cache(self, rows: int, length: int):
         """The static KV cache of a batch, reset and handed to every batch of the same rows and length.
@@ -165,20 +184,17 @@ class LocalEngine:
 
     def _batch(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         real = len(prompts)
-        width = max(len(p) for p in prompts)
+        width = self.width_for(max(len(p) for p in prompts))
         if self.static:
             # transformers compiles the decode step per (rows, cache length): a few widths and one row
-            # count keep the compilations few; the filler rows repeat the last prompt and are dropped.
-            width = static_width(width, self.cfg.max_new_tokens, self.max_positions)
-            prompts = prompts + [prompts[-1]] * (max(1, self.cfg.batch_size) - real)
+            # count a width keep the compilations few; the filler rows repeat the last prompt and are dropped.
+            prompts = prompts + [prompts[-1]] * (self.rows_for(width) - real)
         input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
-        new = self.cfg.max_new_tokens
-        if self.max_positions:
-            new = max(1, min(new, self.max_positions - width))
+        new = self.new_tokens_for(width)
         sample = self.cfg.temperature > 0
         kw = dict(do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p) if sample else \
             dict(do_sample=False, temperature=None, top_p=None, top_k=None)

@@ -41,6 +41,7 @@ def _check_config(cfg: GenerateConfig) -> None:
         (0 < cfg.top_p <= 1, "--top-p must be in (0, 1]"),
         (cfg.concurrency >= 1, "--concurrency must be at least 1"),
         (cfg.batch_size >= 1, "--batch-size must be at least 1"),
+        (cfg.batch_tokens >= 1, "--batch-tokens must be at least 1"),
         (cfg.timeout > 0, "--timeout must be positive"),
         (cfg.retries >= 0, "--retries must be 0 or more"),
         (cfg.max_samples is None or cfg.max_samples >= 1, "--max-samples must be at least 1"),

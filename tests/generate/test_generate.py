@@ -107,6 +107,33 @@ def test_the_decode_step_compiles_once_for_the_batches_of_a_width():
     assert eng._cache_shape[1] < 128 and counters["frames"]["ok"] - before == 1  # two batches, one graph
 
 
+@pytest.mark.parametrize("static_cache", ["off", "on"])
+def test_batch_tokens_give_long_prompts_fewer_rows_and_the_same_replies(static_cache):
+    # on a real target a 128-row static batch of 7,936-token prompts asked for a 15.5 GiB attention mask
+    # and ran out of memory (BENCHMARKS, session 35): the budget caps rows x (width + new tokens)
+    texts = ["Hi.", "Yes?", "Red.", "Two?"] + [" ".join(["word"] * n) for n in (40, 45, 120, 130, 135)]
+    reqs = [Request(i, [{"role": "user", "content": t}]) for i, t in enumerate(texts)]
+    opts = dict(target=EMBEDDED, max_new_tokens=8, batch_size=4, static_cache=static_cache)
+    eng = LocalEngine(cfg(**opts, batch_tokens=300), "cpu")
+    batches, shapes = [], []
+
+    def on_batch(responses):
+        batches.append(sorted(r.key for r in responses))
+        shapes.append(eng._cache_shape)
+
+    got = eng.generate(reqs, on_batch=on_batch)
+    for keys in batches:
+        width = eng.width_for(max(eng.prompt_length(reqs[k].messages) for k in keys))
+        assert len(keys) == 1 or len(keys) * (width + eng.new_tokens_for(width)) <= 300
+    assert batches[0] == [0, 1, 2, 3] and [len(b) for b in batches[-3:]] == [1, 1, 1]  # wide ones alone
+    assert sorted(k for b in batches for k in b) == list(range(len(reqs)))
+    if static_cache == "on":  # filled to the width's own row count, not to --batch-size
+        assert all(rows == eng.rows_for(length - 8) for rows, length in shapes)  # 8 new tokens a row
+        assert shapes[0][0] == 4 and shapes[-1][0] == 1
+    want = LocalEngine(cfg(**opts), "cpu").generate(reqs)  # the default budget: one batch a width
+    assert [r.text for r in got] == [r.text for r in want] and any(r.tokens > 1 for r in got)
+
+
 def test_static_width_is_a_power_of_two_that_leaves_room_for_the_reply():
     assert [static_width(w, 512, 8192) for w in (1, 64, 65, 300, 1024, 1025)] == [64, 64, 128, 512, 1024, 2048]
     # near the context the width stops where --max-new-tokens still fits, and never cuts the prompt
