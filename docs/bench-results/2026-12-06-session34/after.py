@@ -16,7 +16,8 @@ the walk every EVERY steps, then FINAL's lossless eval), with its stores replace
 
 Env: session 25's (SCREEN default DRG, STEPS default 20000, EVERY default 2000, WORKERS, DEADLINE or
 /root/ex/deadline, FINAL default DRG, FINAL_BY), REPLIES (colon-separated .jsonl.xz files; default
-session 33's gen_4k and every `*/results/gen_17k*.jsonl.xz` beside this folder).
+session 33's gen_4k, every `*/results/gen_17k*.jsonl.xz` beside this folder, and CARRY_DIR's
+`gen_17k*.jsonl.xz`, where session 35's travels).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ s = s25.s
 DRS = s25.RUNS["DR"] + ["--num-shapes", "1"]
 s25.RUNS.update({"DRG": DRS, "DRS": DRS})
 s25.STORE.update({"DRG": "allgen"})
-_default = [HERE.parent / "2026-12-06-session33/results/gen_4k.jsonl.xz", *sorted(HERE.parent.glob("*/results/gen_17k*.jsonl.xz"))]
+# gen_17k (9.3 MB) is not in git since session 35: it travels in CARRY_DIR (.carry, joined under /root/big)
+_carried = Path(os.environ["CARRY_DIR"]) if os.environ.get("CARRY_DIR") else None
+_default = [HERE.parent / "2026-12-06-session33/results/gen_4k.jsonl.xz", *sorted(HERE.parent.glob("*/results/gen_17k*.jsonl.xz")),
+            *(sorted(_carried.glob("gen_17k*.jsonl.xz")) if _carried else [])]
 REPLIES = [Path(p) for p in os.environ.get("REPLIES", ":".join(map(str, _default))).split(":") if p]
 
 
