@@ -37,9 +37,10 @@ class GenerateConfig(Options):
                             "--max-new-tokens): batches of long prompts get fewer rows, so that their KV cache and "
                             "attention mask fit beside the model (a prompt longer than this goes alone).")
     static_cache: AutoOnOff = opt("off", "In-process: a static KV cache, prompts left-padded to a power-of-two width "
-                                  "and batches to --batch-size rows, so that transformers' generate compiles the "
-                                  "decode step into CUDA graphs once per width (auto: on for CUDA; off on CPU, "
-                                  "where it only adds padding).")
+                                  "and batches filled to their width's row count (--batch-size, fewer under "
+                                  "--batch-tokens), so that transformers' generate compiles the decode step into "
+                                  "CUDA graphs once per width (auto: on for CUDA; off on CPU, where it only adds "
+                                  "padding).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
