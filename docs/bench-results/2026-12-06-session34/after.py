@@ -17,7 +17,7 @@ the walk every EVERY steps, then FINAL's lossless eval), with its stores replace
 Env: session 25's (SCREEN default DRG, STEPS default 20000, EVERY default 2000, WORKERS, DEADLINE or
 /root/ex/deadline, FINAL default DRG, FINAL_BY), REPLIES (colon-separated .jsonl.xz files; default
 session 33's gen_4k, every `*/results/gen_17k*.jsonl.xz` beside this folder, and CARRY_DIR's
-`gen_17k*.jsonl.xz`, where session 35's travels).
+`gen_17k*.jsonl.xz`, where session 35's travels), KEEP (checkpoints kept, default 2: session 36).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ s = s25.s
 DRS = s25.RUNS["DR"] + ["--num-shapes", "1"]
 s25.RUNS.update({"DRG": DRS, "DRS": DRS})
 s25.STORE.update({"DRG": "allgen"})
+# Session 36: keep 2 checkpoints (KEEP). Each is 449 MB with its AdamW moments, and ten beside the 56.9 GiB store
+# would leave ~2 GiB of the 64 free; the walk runs inside training and the eval reads only the last one.
+s.COMMON[s.COMMON.index("--keep-checkpoints") + 1] = os.environ.get("KEEP", "2")
 # gen_17k (9.3 MB) is not in git since session 35: it travels in CARRY_DIR (.carry, joined under /root/big)
 _carried = Path(os.environ["CARRY_DIR"]) if os.environ.get("CARRY_DIR") else None
 _default = [HERE.parent / "2026-12-06-session33/results/gen_4k.jsonl.xz", *sorted(HERE.parent.glob("*/results/gen_17k*.jsonl.xz")),
