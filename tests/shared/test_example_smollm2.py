@@ -87,6 +87,34 @@ def test_the_example_params_load_as_each_command_reads_them():
     assert pre.topk > 0 and pre.hidden_dtype == "fp8"
     assert train.drafter.block_size == 16 and train.job.store == pre.out
     assert (train.data.num_shapes, train.objective.kd_weight) == (1, 0.0)  # RECIPE: one shape; KD level at length
+    gen = build_config(GenerateConfig, params, {})
+    assert (gen.samples, gen.temperature, gen.turns) == (2, 0.8, "last")  # RECIPE: 2 sampled replies a conversation
+    assert str(pre.data) == "data/corpus.jsonl"
+
+
+def test_the_corpus_stage_gives_precompute_the_conversations_then_the_replies(tmp_path):
+    """The corpus stage's command, run as DVC runs it (a shell in the example's directory), gives precompute
+    every training conversation and every generated reply, in that order, as rows it reads."""
+    import subprocess
+
+    from dflash.chat import load_rows
+
+    stages = yaml.safe_load((STAGE.parents[1] / "dvc.yaml").read_text())["stages"]
+    corpus = stages["corpus"]
+    (tmp_path / "data").mkdir()
+    train = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
+             for i in range(3)]
+    replies = [{**r, "id": f"{r['id']}.s{k}"} for k in range(2) for r in train]
+    for name, rows in (("train.jsonl", train), ("replies.jsonl", replies)):
+        (tmp_path / "data" / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sorted(corpus["deps"]) == ["data/replies.jsonl", "data/train.jsonl"]
+    subprocess.run(corpus["cmd"], shell=True, cwd=tmp_path, check=True)
+    (out,) = [next(iter(o)) if isinstance(o, dict) else o for o in corpus["outs"]]
+    got = [dict(r) for r in load_rows(tmp_path / out)]
+    assert [r["id"] for r in got] == [r["id"] for r in train + replies]
+    assert any("data/corpus.jsonl" == d for d in stages["precompute"]["deps"]) and out == "data/corpus.jsonl"
+    gen_out = [next(iter(o)) if isinstance(o, dict) else o for o in stages["generate"]["outs"]]
+    assert gen_out == ["data/replies.jsonl"]
 
 
 def test_target_stage_without_gguf_says_what_to_install_before_downloading(tmp_path):
@@ -134,7 +162,8 @@ def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_ta
         built[name] = build_config(configs[words[1]], root / "params.yaml", flags)
     gen, pre, train = built["generate_heldout"], built["precompute_heldout"], built["train"]
     assert "generate" in built and "eval" in built
-    assert (gen.data, gen.turns, gen.dtype, gen.temperature) == ("data/heldout.jsonl", "last", "fp32", 0.0)
+    assert (gen.data, gen.turns, gen.dtype, gen.temperature, gen.samples) == ("data/heldout.jsonl", "last", "fp32",
+                                                                               0.0, 1)
     # thousands of training replies repay the compiling; 200 held-out ones would wait on it
     assert (built["generate"].static_cache, gen.static_cache) == ("on", "off")
     assert str(pre.data) == str(gen.out) and str(train.monitor.eval_store) == str(pre.out)
