@@ -13,7 +13,7 @@ runs) with CUDA events, the median of BENCH_BALANCE_REPS (3) runs; the optimizer
 Orders replayed over the same micro-batches (the plan packs rows before it orders them):
   random     balance_group 1 (`--no-balance-steps`, and every run before balancing)
   landed     balance_group 2 (two processes, no accumulation: what `dflash train --gpus 0,1` plans)
-  first      the first version, measured on 2 GPUs in session 6: random groups of 16 sorted by cost
+  first      the first balancing (commit 65c9532): random groups of 16 sorted by cost
 For each: one_gpu_s = sum of all micro-batch times + one optimizer step each; two_gpu_s = per step
 max(rank 0, rank 1) + one optimizer step, the epoch's odd tail left out as RankSampler does.
 `ideal_2_over_1` = one_gpu_s / two_gpu_s over the same micro-batches: the scaling with a free all-reduce
@@ -40,7 +40,7 @@ from train_step import Bench
 
 
 def first_version_order(batches, ctx, blk, spec, seed: int, epoch: int) -> np.ndarray:
-    """Session 6's first balancing (commit 65c9532): all micro-batches sorted by cost, cut in groups of 16,
+    """The first balancing (commit 65c9532): all micro-batches sorted by cost, cut in groups of 16,
     the groups in random order.  Reproduced here for the replay only (the package no longer has it)."""
     rng = np.random.default_rng([seed, epoch, 0x51])
     n = len(batches)

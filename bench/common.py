@@ -1,8 +1,8 @@
-"""Shared pieces of the H200 benchmark scripts: shapes, result files, a fake 8B-shaped target, the summary.
+"""Shared pieces of the benchmark scripts: shapes, result files, a fake 8B-shaped target, the summary.
 
 Every part writes one JSON file `$OUT/<part>.json`, rewritten atomically after each measurement, so a part
-killed by its time limit still leaves what it measured.  `python bench/common.py summarize` merges them into
-`$OUT/results.json` and prints a table.  `--tiny` (or BENCH_TINY=1) shrinks every shape so the whole suite
+killed by its time limit still leaves what it measured; `bench/run.py` collects them into one record.
+`python bench/common.py summarize` merges them into `$OUT/results.json` and prints a table.  `--tiny` (or BENCH_TINY=1) shrinks every shape so the whole suite
 runs on a laptop CPU in a few minutes; the code path is the same.
 
 Result keys (times in ms or s as named, rates per second of wall time):
@@ -88,7 +88,7 @@ def work_dir() -> Path:
 
 
 def part_limit_s(default: float) -> float:
-    """Seconds this part may run (run_all.sh passes what is left of the overall budget)."""
+    """Seconds this part may run (BENCH_PART_LIMIT_S, else the default)."""
     return float(os.environ.get("BENCH_PART_LIMIT_S") or default)
 
 

@@ -263,7 +263,7 @@ def train_run(tiny: bool, gpus: str, steps: int, skip: int, timeout: float, tag:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        # Same process group as this bench, so that run_all.sh's `timeout` stops the run along with it.
+        # Same process group as this bench, so that a timeout of the bench (bench/run.py --timeout) stops the run along with it.
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=str(w), env=env)
     first_step_s, stopped, timed_out = None, False, False
     spy, spy_out = None, out_dir() / f"pyspy_{tag}.txt"

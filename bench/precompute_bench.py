@@ -9,8 +9,8 @@ The target is a random-init Qwen3ForCausalLM built directly on the GPU in bf16 (
 save and reload), driven by `dflash.target_model.capture.Capture` and `dflash.precompute.shard`'s batch planner and write path
 (`plan_batches`, `open_sink`, `_write_batch`: the functions `run_shard` calls) on synthetic token
 sequences of 300-4096 tokens.  Results: $OUT/precompute.json; keys write_bf16 / write_fp8 (as precompute
-runs), write_bf16_thread (writer thread, GC frozen), write_bf16_session3 (writer thread, automatic GC: the
-path before), capture_bg_thread / capture_bg_process
+runs), write_bf16_thread (writer thread, GC frozen), write_bf16_gc (writer thread, automatic GC: the
+path before the writer process), capture_bg_thread / capture_bg_process
 (capture beside a writer's load on a thread / in a process), disk (numpy write + fsync, GB/s),
 write_profile (torch.profiler of a few batches of capture + writes: $OUT/precompute_write_profile.txt, a
 Chrome trace and its GPU idle gaps).  --passes picks and orders nothing: it only selects (see ALL_PASSES).
@@ -45,7 +45,7 @@ from precompute_workload import (
 )
 
 ALL_PASSES = ("forward forward_full capture capture_before write_bf16 write_bf16_before write_fp8 write_profile "
-              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_session3 disk two_gpus two_gpus_fp8 two_gpus_capture io2")
+              "capture_bg_thread capture_bg_process write_bf16_thread write_bf16_gc disk two_gpus two_gpus_fp8 two_gpus_capture io2")
 
 
 def profile_write(res: Results, capture, batches, tiny: bool, device: str, budget: int, n: int = 8) -> None:
@@ -358,7 +358,7 @@ def main() -> None:
         capture_pass("capture", capture, "forward + hooks on the chosen layers + chunked lm_head top-k (no copy out): "
                      "top-k on the bf16 logits, fused fp32 logsumexp (compiled), real positions from host lengths")
     if "capture_before" in passes:
-        capture_pass("capture_before", capture_before, "the same with session 2's top-k: fp32 log_softmax per chunk "
+        capture_pass("capture_before", capture_before, "the same with the first top-k: fp32 log_softmax per chunk "
                      "then top-k, real positions by boolean indexing on the device (host syncs)")
 
     def write_pass(hd: str, mode: str = "process", frozen: bool = True, io_threads: int = 4, before: bool = False,
@@ -390,10 +390,10 @@ def main() -> None:
             committed = len(open_store(store))
             rates[key] = ntok / dt
             how = {"process": "writer process, 3 shared pinned slots (what precompute runs)",
-                   "thread": "writer thread, 3 pinned host buffers (session 3's precompute)"}[mode]
+                   "thread": "writer thread, 3 pinned host buffers (the first precompute)"}[mode]
             entry = {"what": f"capture + copy out + ShardWriter append/commit/finalize ({hd} hidden, top-{TOPK}); {how}"
                              + ("; GC frozen after set-up" if frozen else "; Python's automatic GC")
-                             + ("; session 2's top-k (capture_before)" if before else ""),
+                             + ("; the first top-k (capture_before)" if before else ""),
                      "mode": mode, "s": round(dt, 2), "tokens_per_s": round(ntok / dt), **ratios(key),
                      "samples_committed": committed, "store_bytes": nbytes, "bytes_per_token": round(nbytes / ntok, 1),
                      "write_gb_per_s": round(nbytes / dt / 1e9, 3), "io_threads": io_threads, **pstats}
@@ -420,8 +420,8 @@ def main() -> None:
         write_pass("fp8")
     if "write_bf16_thread" in passes:
         write_pass("bf16", mode="thread")
-    if "write_bf16_session3" in passes:  # the before of this session: writer thread, automatic GC
-        write_pass("bf16", mode="thread", frozen=False, key="write_bf16_session3")
+    if "write_bf16_gc" in passes:  # the path before the writer process: writer thread, automatic GC
+        write_pass("bf16", mode="thread", frozen=False, key="write_bf16_gc")
     if "write_profile" in passes:
         with res.guard("write_profile"):
             profile_write(res, capture, batches, tiny, device, budget)

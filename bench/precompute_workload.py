@@ -1,6 +1,6 @@
 """The workload of bench/precompute_bench.py: a random-init target of a real shape built on the GPU, synthetic
 samples cut into precompute's batch plan, and capture + write through precompute's own sink (the writer
-process or thread), plus session 2's capture for before/after comparisons."""
+process or thread), plus the first capture for before/after comparisons."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def build_target(tiny: bool, device: str):
 
 
 def capture_before_class():
-    """Capture with session 2's top-k path, for a before/after in one run: fp32 log_softmax over every
+    """Capture with the first top-k path, for a before/after in one run: fp32 log_softmax over every
     chunk of logits, then top-k on it, and real positions picked by boolean indexing on the device (a
     host sync per indexing)."""
     from dflash.target_model.capture import Capture

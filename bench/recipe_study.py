@@ -6,7 +6,7 @@ baseline, several seeds, on one or more setups (a target, its train and held-out
         [--steps 500] [--num-workers N] [--work /tmp/recipe] [--out $OUT]
 
 A setup may name a base (SETUP_BASES, e.g. `cli5`): train-section overrides applied to every config of that
-setup before the config's own (session 12's setup c runs the CLI's defaults for real targets: block 16,
+setup before the config's own (setup c runs the CLI's defaults for real targets: block 16,
 5 drafter layers, token budget = block budget 4096).  The stores' target layers follow each config's
 drafter layer count (the CLI's default rule, dflash.target_model.files.default_target_layers), unless the config
 names its own target_layers.
@@ -155,7 +155,7 @@ def online(job: dict, run: Path) -> dict | None:
         return {"error": "skipped: too little time left"}
     try:
         # --config: an empty one, or eval would also take params.yaml's eval.store (not there on the device:
-        # session 10's call lost its online evals to that)
+        # an eval on the device lost its online eval to that)
         wall = sh(dflash("eval", "--config", str(run.parent.parent.parent / "none.yaml"), "--run", str(run),
                          "--prompts", job["heldout_prompts"], "--target", job["target"],
                          "--max-samples", str(job["online"]), "--out", str(out), "--no-plots",
@@ -347,24 +347,15 @@ def plot_files(files: list[str], path: str, timing: list[str] | str | None = Non
 
 
 def load_runs(files: list[str]) -> list[dict]:
-    """The runs of recipe.json files.  Session 8's ran when params.yaml's lr was 2e-3: its configs without an
-    lr of their own are relabelled NAME@lr2e-3, and its lr6e-4 / bb8192_lr6e-4 are today's base / bb8192."""
+    """The runs of recipe.json files, each tagged with the file it came from (`source`, the file's stem), so
+    that one config measured by two studies stays two rows.  A run records its own overrides and lr; a config
+    name means what recipe_configs.py says it means when the run was made, so compare across files by the
+    recorded overrides, not by name."""
     runs = []
     for f in files:
         for r in json.loads(Path(f).read_text())["runs"]:
-            if not r:
-                continue
-            if "session8" in str(f):
-                r = dict(r)
-                if "lr" not in r.get("overrides", {}):
-                    r["config"] += "@lr2e-3"
-                r["config"] = {"lr6e-4": "base", "bb8192_lr6e-4": "bb8192"}.get(r["config"], r["config"])
-                r["session"] = 8
-            elif "session11" in str(f):
-                r = {**r, "session": 11}
-            elif "session12" in str(f):
-                r = {**r, "session": 12}
-            runs.append(r)
+            if r:
+                runs.append({**r, "source": Path(f).stem})
     return runs
 
 
@@ -374,11 +365,11 @@ def summary(files: list[str]) -> None:
     rows: dict = {}
     for r in load_runs(files):
         if "error" not in r:
-            rows.setdefault((r["setup"], r["config"], r.get("session", 10)), []).append(r)
-    print("| setup | config | session | steps | held-out tau (s0 / s1) | mean | train TFLOPs | samples | online tau "
+            rows.setdefault((r["setup"], r["config"], r["source"]), []).append(r)
+    print("| setup | config | file | steps | held-out tau (s0 / s1) | mean | train TFLOPs | samples | online tau "
           "| s/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for (setup, config, session), rs in sorted(rows.items()):
+    for (setup, config, source), rs in sorted(rows.items()):
         rs = sorted(rs, key=lambda r: r["seed"])
         taus = [r["heldout_tau"] for r in rs if r.get("heldout_tau") is not None and not r.get("partial")]
         ons = [(r["seed"], r["online"]) for r in rs if r.get("online") and "tau" in r["online"]]
@@ -388,7 +379,7 @@ def summary(files: list[str]) -> None:
         st = rs[0].get("step_s_median")
         on_s = " / ".join(f"s{seed} {o['tau']:.2f}" + ("" if o["lossless"] else " NOT LOSSLESS") for seed, o in ons) or "-"
         st_s = f"{st * 1e3:.1f} ms" if st else "-"
-        print(f"| {setup} | {config}{part} | {session} | {rs[0]['steps']} | {tau_s} | {rs[0]['train_flops'] / 1e12:.1f} | "
+        print(f"| {setup} | {config}{part} | {source} | {rs[0]['steps']} | {tau_s} | {rs[0]['train_flops'] / 1e12:.1f} | "
               f"{rs[0]['samples']} | {on_s} | {st_s} |")
 
 if __name__ == "__main__":

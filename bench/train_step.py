@@ -319,7 +319,7 @@ def run_config(res: Results, bench: Bench, key: str, R: int, S: int, Q: int, k: 
         with res.guard("profile"):
             profile_steps(bench, batches, R, key if key.startswith("v_") else None)
     if baseline:
-        # before / after of this session's step changes, same batches, same compiled drafter
+        # before / after of the step's mask changes, same batches, same compiled drafter
         for mode in ("old", "fused_only"):
             measure(f"{key}_{mode}", masks.to_block_mask, mode, args.steps, 2)
         b = measure("baseline_create_block_mask", create_block_mask_baseline, "new", args.steps, 2)

@@ -1,0 +1,60 @@
+"""bench/run.py, the benchmarks' runner: one JSON-lines record per run in one schema; and bench/real_study.py's
+minutes, read from a run's metrics the way a study reads them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import real_study  # noqa: E402
+
+
+def test_runner_records_the_command_the_commit_the_versions_and_the_results(tmp_path):
+    trace = tmp_path / "trace.json"
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "pid": 0, "tid": 7},
+              {"ph": "X", "cat": "kernel", "name": "late", "ts": 1100, "dur": 100, "pid": 0, "tid": 7}]
+    trace.write_text(json.dumps({"traceEvents": events}))
+    results = tmp_path / "r.jsonl"
+    cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--results", str(results), "trace_gaps", "--", str(trace)]
+    for _ in range(2):  # appends, never rewrites
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(records) == 2
+    r = records[0]
+    assert set(r) >= {"bench", "command", "date", "commit", "device", "versions", "returncode", "wall_s", "results"}
+    assert r["bench"] == "trace_gaps" and r["returncode"] == 0
+    assert r["command"][:2] == ["python", "bench/trace_gaps.py"] and r["command"][-1] == str(trace)
+    assert r["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert r["commit"] != "unknown" and r["date"].endswith("+00:00")
+    device = r["results"]["stdout"][0]["devices"]["0"]  # trace_gaps' own summary of the trace above
+    assert device["busy_ms"] == pytest.approx(0.2) and device["gaps_over_min"] == 1
+
+
+def test_runner_refuses_an_unknown_or_library_name(tmp_path):
+    for name in ("no_such_bench", "common"):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--results", str(tmp_path / "r"), name],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "no benchmark named" in done.stderr
+        assert not (tmp_path / "r").exists()
+
+
+def test_study_minutes_sum_step_times_and_share_wall_time_among_arms(tmp_path):
+    rows = [{"step": 1, "ctx_tokens": 600, "ctx_tokens_per_s": 10.0},  # 60 s
+            {"step": 2, "ctx_tokens": 300, "ctx_tokens_per_s": 10.0, "eval_walk_tau": 2.5, "eval_tau": 3.0},
+            {"step": 3, "ctx_tokens": 1200, "ctx_tokens_per_s": 10.0, "eval_walk_tau": 2.75}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert real_study.curve(metrics) == [
+        {"step": 2, "eval_walk_tau": 2.5, "eval_tau": 3.0, "minutes_alone": 1.5},
+        {"step": 3, "eval_walk_tau": 2.75, "eval_tau": None, "minutes_alone": 3.5}]
+    assert real_study.fair_share([(60.0, 2), (60.0, 1)]) == pytest.approx(1.5)
+    assert real_study.parse_arm("DRK=--kd-weight 1 --seed 2") == ("DRK", ["--kd-weight", "1", "--seed", "2"])
+    assert real_study.parse_arm("base=") == ("base", [])
+    with pytest.raises(Exception, match="NAME=FLAGS"):
+        real_study.parse_arm("--kd-weight 1")
