@@ -8,8 +8,8 @@ Run from an example's directory (its params.yaml gives every option an arm does 
 `NAME=FLAGS` is one `dflash train` of the example's train section with FLAGS added, into `runs/NAME`; all
 arms train at once on the same GPUs (a small target's drafter leaves a GPU mostly idle), each walking the
 held-out store of the target's own replies every --eval-every steps (`eval_walk_tau`: online tau along the
-run, docs/DESIGN.md §6).  With --lossless, each arm's last checkpoint then gets the lossless online eval
-(`dflash eval`, the example's eval section: 100 held-out prompts x 128 new tokens).
+run, docs/DESIGN.md §6).  With --lossless, each arm's last checkpoint then gets `dflash eval` as the example's
+eval section says (the real example's: the lossless online eval, 100 held-out prompts x 128 new tokens).
 
 Minutes, per arm and held-out eval step:
   minutes_alone   the step times summed (ctx_tokens / ctx_tokens_per_s of every metrics record): what the
@@ -82,15 +82,18 @@ def train(args, arms: dict[str, list[str]]) -> dict:
                    "curve": curve(Path(f"runs/{name}/metrics.jsonl"))} for name, (p, cmd) in procs.items()}
 
 
-def lossless(name: str) -> dict:
+def final_eval(name: str) -> dict:
+    """`dflash eval` of the arm's last checkpoint as the example's eval section says: the lossless online eval
+    where it names prompts (the real example), else held-out tau on its store."""
     out = Path(f"eval/{name}.json")
     out.parent.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "dflash.cli", "eval", "--run", f"runs/{name}", "--out", str(out), "--no-plots"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
-    online = json.loads(out.read_text())["online"]
-    return {"tau": online["tau"], "lossless": online["lossless"]}
+    result = json.loads(out.read_text())
+    return {"kind": "online" if "online" in result else "held-out", "tau": result["tau"],
+            "lossless": result.get("lossless")}
 
 
 def main() -> None:
@@ -100,7 +103,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, required=True, help="each arm's cosine length")
     ap.add_argument("--eval-every", type=int, default=2000)
     ap.add_argument("--gpus", default="0")
-    ap.add_argument("--lossless", action="store_true", help="the lossless online eval of each arm's last step")
+    ap.add_argument("--lossless", action="store_true",
+                    help="`dflash eval` of each arm's last step (online and lossless-checked where params.yaml names prompts)")
     ap.add_argument("--poll-s", type=float, default=5.0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -113,7 +117,7 @@ def main() -> None:
     result = {"steps": args.steps, "store": args.store, "arms": train(args, arms)}
     if args.lossless:
         for name in arms:
-            result["arms"][name]["online"] = lossless(name)
+            result["arms"][name]["final_eval"] = final_eval(name)
     out = args.out or Path(os.environ.get("OUT") or ".") / "real_study.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

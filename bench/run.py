@@ -4,11 +4,12 @@
     python bench/run.py --list
 
 NAME is a script of this folder without `.py` (`train_step`, `precompute_bench`, ...).  The script runs in
-a subprocess with the repository on PYTHONPATH and `$OUT` pointing at a fresh folder; whatever it leaves
+a subprocess, in the current directory (most scripts expect the repository root; `real_study` an example's
+directory), with the repository on PYTHONPATH and `$OUT` pointing at a fresh folder; whatever it leaves
 there as JSON (`$OUT/*.json`) and the JSON lines it prints on stdout become the record's `results`.  One
 record per run, appended to FILE (default `bench-results.jsonl`, ignored by git):
 
-    {"bench": NAME, "command": [...], "date": ISO-8601 UTC, "commit": git HEAD (+ "-dirty"),
+    {"bench": NAME, "command": [...], "cwd": ..., "date": ISO-8601 UTC, "commit": git HEAD (+ "-dirty"),
      "device": {"gpus": [...], "cpu": ..., "cpus": N, "host": ...},
      "versions": {"python", "torch", "transformers", "zarr", "triton", "cuda"},
      "returncode": N, "wall_s": S, "results": {FILE_STEM: {...}, "stdout": [...]}}
@@ -106,18 +107,18 @@ def run(name: str, argv: list[str], results_file: Path, timeout: float | None) -
     script = HERE / f"{name}.py"
     if name in LIBRARY or not script.is_file():
         raise SystemExit(f"bench/run.py: no benchmark named {name!r}; one of: {', '.join(scripts())}")
-    cmd = [sys.executable, str(script.relative_to(ROOT)), *argv]
+    cmd = [sys.executable, str(script), *argv]
     with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
         env = {**os.environ, "OUT": tmp, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         t0 = time.time()
         try:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
+            done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=timeout)
             rc, stdout = done.returncode, done.stdout
         except subprocess.TimeoutExpired as e:
             rc, stdout = 124, e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         sys.stdout.write(stdout)
-        record = {"bench": name, "command": ["python", *cmd[1:]],
+        record = {"bench": name, "command": ["python", f"bench/{name}.py", *argv], "cwd": os.getcwd(),
                   "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                   "commit": commit(), "device": device(), "versions": versions(), "returncode": rc,
                   "wall_s": round(time.time() - t0, 1), "results": collect(Path(tmp), stdout)}

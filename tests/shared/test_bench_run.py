@@ -27,7 +27,7 @@ def test_runner_records_the_command_the_commit_the_versions_and_the_results(tmp_
     records = [json.loads(line) for line in results.read_text().splitlines()]
     assert len(records) == 2
     r = records[0]
-    assert set(r) >= {"bench", "command", "date", "commit", "device", "versions", "returncode", "wall_s", "results"}
+    assert set(r) >= {"bench", "command", "cwd", "date", "commit", "device", "versions", "returncode", "wall_s", "results"}
     assert r["bench"] == "trace_gaps" and r["returncode"] == 0
     assert r["command"][:2] == ["python", "bench/trace_gaps.py"] and r["command"][-1] == str(trace)
     assert r["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
