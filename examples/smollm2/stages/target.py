@@ -103,7 +103,7 @@ def require_gguf() -> None:
         import gguf  # noqa: F401
     except ImportError:
         sys.exit("target: transformers' GGUF loader needs the `gguf` package, which is not installed here; run "
-                 "`pip install gguf` (README, \"A real model\") and rerun `dvc repro target`.")
+                 "`pip install gguf` (docs/example-smollm2.md) and rerun `dvc repro target`.")
 
 
 def main() -> None:
