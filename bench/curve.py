@@ -1,6 +1,6 @@
 """Held-out tau (and the training batches' tau) of a run against training time, from its metrics.jsonl.
 
-    python bench/curve.py runs/default benchmarks/embedded-default-heldout-tau-cpu.png
+    python bench/curve.py runs/default benchmarks/embedded-default-heldout-tau-cpu-2026-12-01.png
 
 Time is the sum of the steps' intervals (ctx tokens / ctx tokens per second), so set-up, evaluation and
 checkpoint writes are left out: the drafter's training time alone.
