@@ -52,7 +52,8 @@ def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None,
     confident = confidence_threshold is not None and getattr(drafter, "confidence_head", None) is not None
     records = []
     for i, ids in enumerate(as_ids):
-        ref = refs[i] if refs is not None else greedy_generate(target, ids, max_new_tokens, eos_ids)
+        ref = refs[i] if refs is not None and refs[i] is not None else greedy_generate(target, ids, max_new_tokens,
+                                                                                         eos_ids)
         got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, propose=propose)
         rec = {"prompt_tokens": len(prompts[i]), "ref": {"tokens": ref.tokens, "seconds": ref.seconds},
                "got": {"tokens": got.tokens, "seconds": got.seconds, "acceptance": got.acceptance}}
@@ -75,9 +76,10 @@ def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None,
 def summarize_online(records: list[dict], block_size: int, threshold: float | None) -> dict:
     """tau, tokens/s both ways and losslessness over every prompt's record (decode_prompts)."""
     taus = [t for r in records for t in r["got"]["acceptance"]]
-    base_s = sum(r["ref"]["seconds"] for r in records)
+    timed = [r for r in records if r["ref"]["seconds"] is not None]  # a batched reference is not timed
+    base_s = sum(r["ref"]["seconds"] for r in timed)
     spec_s = sum(r["got"]["seconds"] for r in records)
-    base_n = sum(len(r["ref"]["tokens"]) for r in records)
+    base_n = sum(len(r["ref"]["tokens"]) for r in timed)
     spec_n = sum(len(r["got"]["tokens"]) for r in records)
     mismatches = [r["mismatch"] for r in records if "mismatch" in r]
     out = summarize(np.asarray(taus), block_size)
