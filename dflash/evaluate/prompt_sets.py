@@ -61,6 +61,22 @@ def _greedy_rows(target, prompts: list[list[int]], max_new_tokens: int, eos_ids:
         nxt = nxt + 1
 
 
+ROW_TOKENS = 512  # a batch holds batch_size rows of this many padded prompt tokens at most (long prompts: fewer rows)
+
+
+def batches(order: list[int], lengths: list[int], batch_size: int) -> list[list[int]]:
+    """`order` (sorted by length) cut into batches of at most `batch_size` rows and batch_size * ROW_TOKENS
+    padded prompt tokens: a few long prompts do not pad a whole batch to their length."""
+    out: list[list[int]] = []
+    for i in order:
+        cur = out[-1] if out else None
+        if cur and len(cur) < batch_size and (len(cur) + 1) * max(lengths[j] for j in cur + [i]) <= batch_size * ROW_TOKENS:
+            cur.append(i)
+        else:
+            out.append([i])
+    return out
+
+
 def reference_decode(target, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int],
                      batch_size: int, progress=None) -> list[Generation]:
     """Every prompt's target-only greedy output: `batch_size` prompts of similar length per forward
@@ -79,8 +95,7 @@ def reference_decode(target, prompts: list[list[int]], *, max_new_tokens: int, e
         return out
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     gens: list = [None] * len(prompts)
-    for lo in range(0, len(order), batch_size):
-        rows = order[lo : lo + batch_size]
+    for rows in batches(order, [len(p) for p in prompts], batch_size):
         for i, toks in zip(rows, _greedy_rows(target, [prompts[i] for i in rows], max_new_tokens, eos_ids)):
             gens[i] = Generation(tokens=toks, seconds=None)
         if progress is not None:
@@ -107,6 +122,45 @@ def with_timed_gaps(refs: list[Generation], timed: int) -> list:
 def batch_disagreements(records: list[dict], refs: list[Generation], decoded: list) -> list[int]:
     """Prompts whose single-stream target-only output differs from the batch's (near-ties only, in fp32)."""
     return [i for i, (r, g, d) in enumerate(zip(records, refs, decoded)) if d is None and r["ref"]["tokens"] != g.tokens]
+
+
+def _record(target, prompt: list[int], ref: Generation, got: Generation, i: int) -> dict:
+    """One prompt's record, as dflash.evaluate.online.decode_prompts writes it."""
+    from dflash.evaluate.online import _margin
+
+    rec = {"prompt_tokens": len(prompt), "ref": {"tokens": ref.tokens, "seconds": ref.seconds},
+           "got": {"tokens": got.tokens, "seconds": got.seconds, "acceptance": got.acceptance}}
+    if got.tokens != ref.tokens:
+        at = next((j for j, (a, b) in enumerate(zip(got.tokens, ref.tokens)) if a != b),
+                  min(len(got.tokens), len(ref.tokens)))
+        ids = torch.tensor(prompt, dtype=torch.long, device=next(target.parameters()).device)
+        rec["mismatch"] = {"prompt": i, "first_difference": at, "target_only": ref.tokens[at : at + 8],
+                           "speculative": got.tokens[at : at + 8],
+                           "logit_margin": _margin(target, ids, ref.tokens, got.tokens, at)}
+    return rec
+
+
+def decode_batched(target, drafter, prompts: list[list[int]], refs: list, single: Decode, *, max_new_tokens: int,
+                   eos_ids: set[int], batch_size: int, progress=None) -> list[dict]:
+    """Every prompt's record: the prompts whose ref is None one at a time and timed both ways (`single`),
+    the rest speculatively in batches of `batch_size` rows of similar lengths (untimed)."""
+    from dflash.evaluate.batched_speculative import speculative_rows
+
+    alone = [i for i, g in enumerate(refs) if g is None]
+    records: list = [None] * len(prompts)
+    if alone:
+        for i, rec in zip(alone, single([prompts[i] for i in alone], None)):
+            if "mismatch" in rec:
+                rec["mismatch"]["prompt"] = i
+            records[i] = rec
+    rest = sorted((i for i, g in enumerate(refs) if g is not None), key=lambda i: (len(prompts[i]), len(refs[i].tokens)))
+    for part in batches(rest, [len(p) for p in prompts], batch_size):
+        got = speculative_rows(target, drafter, [prompts[i] for i in part], max_new_tokens, eos_ids)
+        for i, g in zip(part, got):
+            records[i] = _record(target, prompts[i], refs[i], g, i)
+        if progress is not None:
+            progress(len(part))
+    return records
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -150,10 +204,10 @@ def bench_prompts(target, tokenizer, sets: dict[str, list[BenchItem]], *, max_ne
 
 def _brief(s: dict, base_tps: float | None) -> dict:
     """A group's numbers: tau, lossless, tokens, and the speed-up against its set's target-only speed."""
-    spec = s["tokens_per_s_speculative"]
+    spec = s["tokens_per_s_speculative"] or None  # None: no prompt of the group decoded alone
     return {"tau": s["tau"], "lossless": s["lossless"], "num_prompts": s["num_prompts"],
             "new_tokens": s["new_tokens"], "tokens_per_s_speculative": spec,
-            "speedup": spec / base_tps if base_tps else None}
+            "speedup": spec / base_tps if base_tps and spec else None}
 
 
 def summarize_sets(records: list[dict], meta: list[dict], block_size: int, disagree: list[int]) -> dict:
@@ -200,5 +254,5 @@ def run_benches(target, tokenizer, sets: dict[str, list[BenchItem]], decode: Dec
     return summarize_sets(records, meta, block_size, batch_disagreements(records, refs, decoded))
 
 
-__all__ = ["bench_prompts", "reference_decode", "run_benches", "summarize_sets",
+__all__ = ["bench_prompts", "decode_batched", "reference_decode", "run_benches", "summarize_sets",
            "timed_indices", "with_timed_gaps"]

@@ -207,12 +207,24 @@ def _decoder(cfg: EvalConfig, drafter, ckpt: Path, target: _Target, tokenizer):
             return run_workers(job, prompts, refs, cfg.workers)
         from tqdm import tqdm
 
+        from dflash.evaluate.batched_speculative import supports_batching
+        from dflash.evaluate.prompt_sets import decode_batched
+
         model = target()
         drafter.to(device=target.device, dtype=target.dtype)
+        eos = eos_token_ids(model, tokenizer)
         bar = tqdm(total=len(prompts), desc="speculative decoding", unit="prompt")
-        records = decode_prompts(model, drafter, prompts, refs, max_new_tokens=cfg.max_new_tokens,
-                                 eos_ids=eos_token_ids(model, tokenizer), confidence_threshold=threshold,
-                                 on_prompt=bar.update)
+
+        def single(some: list[list[int]], some_refs: list | None) -> list[dict]:
+            return decode_prompts(model, drafter, some, some_refs, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
+                                  confidence_threshold=threshold, on_prompt=bar.update)
+
+        confident = threshold is not None and getattr(drafter, "confidence_head", None) is not None
+        if cfg.batch_size > 1 and refs is not None and supports_batching(model, drafter, confident):
+            records = decode_batched(model, drafter, prompts, refs, single, max_new_tokens=cfg.max_new_tokens,
+                                     eos_ids=eos, batch_size=cfg.batch_size, progress=bar.update)
+        else:
+            records = single(prompts, refs)
         bar.close()
         return records
 
