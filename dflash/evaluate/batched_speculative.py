@@ -22,11 +22,14 @@ from dflash.evaluate.speculative import Generation, LayerCapture, _cache_kw, _fi
 RowProposeHook = Callable[[int, int, torch.Tensor], torch.Tensor]
 
 
+def has_linear_attention(target) -> bool:
+    types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    return "linear_attention" in types
+
+
 def supports_batching(target, drafter, confidence: bool) -> bool:
     """Full-attention drafters proposing by argmax or their own head, against a target without
     linear-attention layers (whose states padded rows would mix): the others decode one prompt at a time."""
-    from dflash.evaluate.prompt_sets import has_linear_attention
-
     return not (drafter.config.has_sliding or confidence or has_linear_attention(target))
 
 
@@ -127,4 +130,4 @@ def speculative_rows(target, drafter, prompts: list[list[int]], max_new_tokens: 
             for t, a in zip(rows.tokens, rows.acceptance)]
 
 
-__all__ = ["speculative_rows", "supports_batching"]
+__all__ = ["has_linear_attention", "speculative_rows", "supports_batching"]

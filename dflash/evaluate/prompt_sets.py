@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dflash.evaluate.batched_speculative import has_linear_attention, speculative_rows
 from dflash.evaluate.bench import BenchItem
 from dflash.evaluate.online import summarize_online
 from dflash.evaluate.speculative import Generation, _cache_kw, _finish, greedy_generate
@@ -24,11 +25,6 @@ from dflash.evaluate.speculative import Generation, _cache_kw, _finish, greedy_g
 # decode(prompts, refs) -> one record per prompt (dflash.evaluate.online.decode_prompts); a None ref is
 # decoded target-only there, one prompt at a time, and timed
 Decode = Callable[[list[list[int]], list], list[dict]]
-
-
-def has_linear_attention(target) -> bool:
-    types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    return "linear_attention" in types
 
 
 @torch.inference_mode()
@@ -144,8 +140,6 @@ def decode_batched(target, drafter, prompts: list[list[int]], refs: list, single
                    eos_ids: set[int], batch_size: int, progress=None) -> list[dict]:
     """Every prompt's record: the prompts whose ref is None one at a time and timed both ways (`single`),
     the rest speculatively in batches of `batch_size` rows of similar lengths (untimed)."""
-    from dflash.evaluate.batched_speculative import speculative_rows
-
     alone = [i for i, g in enumerate(refs) if g is None]
     records: list = [None] * len(prompts)
     if alone:
