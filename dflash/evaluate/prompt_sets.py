@@ -115,6 +115,14 @@ def with_timed_gaps(refs: list[Generation], timed: int) -> list:
     return [None if i in gaps else g for i, g in enumerate(refs)]
 
 
+def reused_with_timed(refs: list[Generation], timed: int) -> list:
+    """A reused reference (--reference) to decode against in batches: `timed` prompts spread over the set
+    decoded alone (against the file's timed output, else target-only again), the rest batched."""
+    keep = set(timed_indices(len(refs), timed))
+    return [(g if g.seconds is not None else None) if i in keep else Generation(tokens=g.tokens, seconds=None)
+            for i, g in enumerate(refs)]
+
+
 def batch_disagreements(records: list[dict], refs: list[Generation], decoded: list) -> list[int]:
     """Prompts whose single-stream target-only output differs from the batch's (near-ties only, in fp32)."""
     return [i for i, (r, g, d) in enumerate(zip(records, refs, decoded)) if d is None and r["ref"]["tokens"] != g.tokens]
@@ -138,16 +146,16 @@ def _record(target, prompt: list[int], ref: Generation, got: Generation, i: int)
 
 def decode_batched(target, drafter, prompts: list[list[int]], refs: list, single: Decode, *, max_new_tokens: int,
                    eos_ids: set[int], batch_size: int, progress=None) -> list[dict]:
-    """Every prompt's record: the prompts whose ref is None one at a time and timed both ways (`single`),
-    the rest speculatively in batches of `batch_size` rows of similar lengths (untimed)."""
-    alone = [i for i, g in enumerate(refs) if g is None]
+    """Every prompt's record: the prompts whose ref is None or timed one at a time and timed (`single`), the
+    rest speculatively in batches of `batch_size` rows of similar lengths (untimed)."""
+    alone = [i for i, g in enumerate(refs) if g is None or g.seconds is not None]
     records: list = [None] * len(prompts)
     if alone:
-        for i, rec in zip(alone, single([prompts[i] for i in alone], None)):
+        for i, rec in zip(alone, single([prompts[i] for i in alone], [refs[i] for i in alone])):
             if "mismatch" in rec:
                 rec["mismatch"]["prompt"] = i
             records[i] = rec
-    rest = sorted((i for i, g in enumerate(refs) if g is not None), key=lambda i: (len(prompts[i]), len(refs[i].tokens)))
+    rest = sorted((i for i, g in enumerate(refs) if g is not None and g.seconds is None), key=lambda i: (len(prompts[i]), len(refs[i].tokens)))
     for part in batches(rest, [len(p) for p in prompts], batch_size):
         got = speculative_rows(target, drafter, [prompts[i] for i in part], max_new_tokens, eos_ids)
         for i, g in zip(part, got):
@@ -248,5 +256,5 @@ def run_benches(target, tokenizer, sets: dict[str, list[BenchItem]], decode: Dec
     return summarize_sets(records, meta, block_size, batch_disagreements(records, refs, decoded))
 
 
-__all__ = ["bench_prompts", "decode_batched", "reference_decode", "run_benches", "summarize_sets",
+__all__ = ["bench_prompts", "decode_batched", "reference_decode", "reused_with_timed", "run_benches", "summarize_sets",
            "timed_indices", "with_timed_gaps"]

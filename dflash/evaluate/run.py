@@ -253,6 +253,10 @@ def _online(cfg: EvalConfig, drafter, decode, target: _Target, tokenizer, identi
         batched = reference_decode(model, prompts, max_new_tokens=cfg.max_new_tokens,
                                    eos_ids=eos_token_ids(model, tokenizer), batch_size=cfg.batch_size)
         refs = with_timed_gaps(batched, cfg.timed_prompts)
+    elif reused and cfg.batch_size > 1:
+        from dflash.evaluate.prompt_sets import reused_with_timed
+
+        refs = reused_with_timed(refs, cfg.timed_prompts)
     records = decode(prompts, refs)
     if batched is not None:
         disagree = batch_disagreements(records, batched, refs)

@@ -216,3 +216,33 @@ def test_dflash_eval_bench_reports_tau_per_category_and_overall(tiny, tmp_path, 
     table = eval_summary(result)
     assert f"mt-bench    math        {mt['categories']['math']['tau']:>6.3f}     True" in table, table
     assert f"humaneval   all         {he['tau']:>6.3f}" in table and "turn 2" in table
+
+
+def test_batched_eval_reuses_a_reference_file_and_still_times_some_prompts(tiny, tmp_path):
+    """--batch-size with --reference: the second eval decodes no target-only output but the timed prompts'
+    and gets the first one's outputs, tau and a speed-up; the file's batched outputs are untimed."""
+    from dflash.config import EvalConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.evaluate.run import run_eval
+    from dflash.target_model.files import target_config
+    from dflash.train.checkpoint import save_checkpoint
+
+    target_dir, _, _, _ = tiny
+    tc = target_config(target_dir)
+    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                    mask_token_id=tc.vocab_size - 1)
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
+                    {"train": {"target": str(target_dir)}})
+    chats = make_conversations_jsonl(tmp_path / "c.jsonl", n=6, seed=2)
+    kw = dict(run=str(run), prompts=str(chats), max_new_tokens=10, batch_size=4, timed_prompts=2, plots=False,
+              reference=str(tmp_path / "ref.json"), out=str(tmp_path / "eval.json"))
+    first = run_eval(EvalConfig(**kw))["online"]
+    saved = json.loads((tmp_path / "ref.json").read_text())["generations"]
+    assert sum(g["seconds"] is not None for g in saved) == 2 and first["reference"]["reused"] is False
+    again = run_eval(EvalConfig(**kw))["online"]
+    assert again["reference"]["reused"] is True and again["lossless"] and first["lossless"]
+    assert again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
+    assert first["speedup"] > 0 and again["speedup"] > 0
+    assert first["batched_reference_differs"] == []
