@@ -220,9 +220,10 @@ def summarize_sets(records: list[dict], meta: list[dict], block_size: int, disag
         rows = [m for m in meta if m["set"] == name and "index" in m]
         recs = [records[m["index"]] for m in rows]
         s = summarize_online(recs, block_size, None)
-        for mm in s["mismatches"]:
-            m = rows[mm["prompt"]]
-            mm.update(prompt=m["index"], question=m["id"], category=m["category"], turn=m["turn"])
+        by_index = {m["index"]: m for m in rows}
+        for mm in s["mismatches"]:  # "prompt": the index among every set's prompts, as decoded
+            m = by_index[mm["prompt"]]
+            mm.update(question=m["id"], category=m["category"], turn=m["turn"])
         for pp, m in zip(s["per_prompt"], rows):
             pp.update(question=m["id"], category=m["category"], turn=m["turn"])
         base = s["tokens_per_s_target"]

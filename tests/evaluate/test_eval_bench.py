@@ -246,3 +246,36 @@ def test_batched_eval_reuses_a_reference_file_and_still_times_some_prompts(tiny,
     assert again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
     assert first["speedup"] > 0 and again["speedup"] > 0
     assert first["batched_reference_differs"] == []
+
+
+def test_a_mismatch_is_named_by_question_category_and_turn(tiny, tmp_path, monkeypatch):
+    """A target-only output that speculative decoding does not reproduce (doctored here) makes its category
+    and set not lossless, the others stay so, and the mismatch names the question and turn."""
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.evaluate.bench import load_bench
+    from dflash.evaluate.online import decode_prompts
+    from dflash.evaluate.prompt_sets import run_benches
+    from dflash.evaluate.speculative import Generation
+
+    _, target, tok, _ = tiny
+    fake_cache(tmp_path / "cache", monkeypatch)
+    sets = {n: load_bench(n, tmp_path / "cache") for n in ("humaneval", "mt-bench")}
+    cfg = DrafterConfig.from_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                    mask_token_id=len(tok))
+    drafter = DFlashDrafter(cfg).eval()
+    doctored = 3 + 4 + 2  # after the 3 HumanEval prompts and MT-Bench's 4 first turns: question 111, turn 2
+
+    def decode(prompts, refs):
+        refs = list(refs)
+        g = refs[doctored]
+        refs[doctored] = Generation(tokens=g.tokens[:3] + [(g.tokens[3] + 1) % len(tok)] + g.tokens[4:], seconds=None)
+        return decode_prompts(target, drafter, prompts, refs, max_new_tokens=8, eos_ids=set())
+
+    out = run_benches(target, tok, sets, decode, block_size=4, max_new_tokens=8, eos_ids=set(), batch_size=4,
+                      timed=1, budget=None)
+    mt, he = out["mt-bench"], out["humaneval"]
+    assert he["lossless"] and not mt["lossless"]
+    assert [(m["prompt"], m["question"], m["category"], m["turn"], m["first_difference"]) for m in mt["mismatches"]] \
+        == [(doctored, "111", "math", 2, 3)]
+    assert {c: v["lossless"] for c, v in mt["categories"].items()} == {"writing": True, "math": False}
+    assert {t: v["lossless"] for t, v in mt["turns"].items()} == {"1": True, "2": False}
