@@ -44,10 +44,11 @@ def plot_bench(bench: dict, out_dir: Path) -> Path:
     ax.bar_label(bars, labels=[f"{c['tau']:.2f}" for _, _, c in rows], fontsize=7)
     ax.set_xticks(range(len(rows)), [f"{n}: {g}" if g == "all" else g for n, g, _ in rows], rotation=45,
                   ha="right", fontsize=8)
-    ax.set(ylabel="acceptance length tau", title="tau per category (online, lossless check)")
+    ax.set(ylabel="acceptance length tau", title="tau per category (online, lossless check)",
+           ylim=(0, 1.25 * max(c["tau"] for _, _, c in rows)))  # room for the legend above the bars
     ax.grid(alpha=0.3, axis="y")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, list(colours), fontsize=8)
+    ax.legend(handles, list(colours), fontsize=8, loc="upper left", ncol=len(colours))
     path = Path(out_dir) / "bench_tau.png"
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -247,11 +247,15 @@ def _online(cfg: EvalConfig, drafter, decode, target: _Target, tokenizer, identi
     disagree: list[int] = []
     batched = None
     if refs is None and cfg.batch_size > 1:
+        from tqdm import tqdm
+
         from dflash.evaluate.prompt_sets import batch_disagreements, reference_decode, with_timed_gaps
 
         model = target()
-        batched = reference_decode(model, prompts, max_new_tokens=cfg.max_new_tokens,
-                                   eos_ids=eos_token_ids(model, tokenizer), batch_size=cfg.batch_size)
+        with tqdm(total=len(prompts), desc="target-only reference", unit="prompt") as bar:
+            batched = reference_decode(model, prompts, max_new_tokens=cfg.max_new_tokens,
+                                       eos_ids=eos_token_ids(model, tokenizer), batch_size=cfg.batch_size,
+                                       progress=bar.update)
         refs = with_timed_gaps(batched, cfg.timed_prompts)
     elif reused and cfg.batch_size > 1:
         from dflash.evaluate.prompt_sets import reused_with_timed
@@ -279,14 +283,18 @@ def _bench_sets(cfg: EvalConfig) -> dict:
 
 def _benches(cfg: EvalConfig, sets: dict, drafter, decode, target: _Target, tokenizer) -> dict:
     """The standard prompt sets (--bench), every turn against the target-only reference, per category."""
+    from tqdm import tqdm
+
     from dflash.evaluate.bench import BENCHES
     from dflash.evaluate.prompt_sets import run_benches
 
     model = target()
-    out = run_benches(model, tokenizer, sets, decode, block_size=drafter.config.block_size,
-                      max_new_tokens=cfg.max_new_tokens, eos_ids=eos_token_ids(model, tokenizer),
-                      batch_size=cfg.batch_size, timed=cfg.timed_prompts,
-                      budget=prompt_budget(target.dir, cfg.max_new_tokens))
+    turns = sum(len(q.turns) for items in sets.values() for q in items)
+    with tqdm(total=turns, desc=f"target-only reference ({', '.join(sets)})", unit="prompt") as bar:
+        out = run_benches(model, tokenizer, sets, decode, block_size=drafter.config.block_size,
+                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos_token_ids(model, tokenizer),
+                          batch_size=cfg.batch_size, timed=cfg.timed_prompts,
+                          budget=prompt_budget(target.dir, cfg.max_new_tokens), progress=bar.update)
     for name, s in out.items():
         spec = BENCHES[name]
         s.update(package=f"{spec.package}=={spec.version}", file=spec.member, sha256=spec.sha256,
