@@ -4,10 +4,10 @@ batches.
 The target-only greedy outputs are what speculative decoding must reproduce, and a multi-turn question's
 later turns are asked after them (the target's own answer: greedy decoding is deterministic, and the
 speculative decode of a turn is, losslessly, that same answer).  Decoding them one prompt at a time costs
-as much as the speculative decode itself, one target forward per token; `batched_greedy` decodes many
-prompts per forward (left-padded, each row at its own positions).  Its per-prompt time is not a
-single-stream time, so the target-only speed the speed-up divides by is timed single-stream on a few
-prompts of each set (`timed`, spread over the set), whose outputs are also checked against the batch's.
+one target forward per token; `reference_decode` decodes many prompts per forward (left-padded, each row
+at its own positions), and `decode_batched` the speculative side likewise (batched_speculative.py).  A
+batch's time is not one prompt's, so the speed-up comes from a few prompts of each set (`timed`, spread
+over the set) decoded alone both ways, whose target-only outputs also check the batch's.
 """
 
 from __future__ import annotations
