@@ -321,11 +321,11 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.dtype not in dtypes:
         raise ConfigError(f"eval dtype {cfg.dtype!r} is not one of fp32, bf16.")
     device = _device(cfg.device)
+    sets = _bench_sets(cfg) if cfg.bench else {}  # a wrong name or an unreachable index: before any loading
     drafter, ckpt, train_config = load_training_drafter(cfg.run)
     target_dir = _target_of(cfg, train_config, ckpt)
     identity = target_identity(target_dir)
     _check_target(drafter.config, identity, target_dir)
-    sets = _bench_sets(cfg) if cfg.bench else {}
     torch.manual_seed(cfg.seed)
     result: dict = {"checkpoint": str(ckpt), "target": target_dir}
     lossless_failure = None

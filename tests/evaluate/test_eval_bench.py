@@ -279,3 +279,17 @@ def test_a_mismatch_is_named_by_question_category_and_turn(tiny, tmp_path, monke
         == [(doctored, "111", "math", 2, 3)]
     assert {c: v["lossless"] for c, v in mt["categories"].items()} == {"writing": True, "math": False}
     assert {t: v["lossless"] for t, v in mt["turns"].items()} == {"1": True, "2": False}
+
+
+def test_an_unknown_prompt_set_on_the_command_line_is_one_paragraph_before_any_loading(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dflash.cli", "eval", "--run", str(tmp_path / "no-run"),
+                           "--bench", "mt-bench,gsm8k", "--bench-cache", str(tmp_path / "cache")],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--bench gsm8k" in proc.stderr and "mt-bench, humaneval" in proc.stderr, proc.stderr
+    assert not (tmp_path / "cache").exists()  # nothing fetched for a command that cannot run
