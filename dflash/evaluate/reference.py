@@ -40,7 +40,8 @@ class ReferenceFile:
         gens = d.get("generations")
         if not isinstance(gens, list) or len(gens) != self.key["num_prompts"]:
             return None
-        return [Generation(tokens=[int(t) for t in g["tokens"]], seconds=float(g["seconds"])) for g in gens]
+        return [Generation(tokens=[int(t) for t in g["tokens"]],
+                           seconds=None if g["seconds"] is None else float(g["seconds"])) for g in gens]
 
     def save(self, gens: list[Generation]) -> None:
         """Atomically (a reader never sees half a file; concurrent writers of the same key agree)."""

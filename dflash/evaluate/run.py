@@ -20,7 +20,7 @@ import torch
 
 from dflash.config import EvalConfig, flat_options
 from dflash.errors import ConfigError, DataError, DFlashError
-from dflash.evaluate.online import eos_token_ids, finish_online, online_eval
+from dflash.evaluate.online import decode_prompts, eos_token_ids, finish_online, online_eval
 from dflash.train.heldout import offline_tau
 
 log = logging.getLogger(__name__)
@@ -130,22 +130,31 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
     """eval JSON + dvc-friendly tables (acceptance.csv, tau_hist.csv) + PNG plots beside it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     main = result.get("offline") or result.get("online")
-    B = main["block_size"]
-    with open(out.parent / "acceptance.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["position", "acceptance"])
-        w.writerows([k, round(a, 6)] for k, a in zip(range(1, B), main["acceptance"]))
-    with open(out.parent / "tau_hist.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["tau", "count"])
-        w.writerows([t, c] for t, c in zip(range(1, B + 1), main["tau_hist"]))
+    if main is not None:
+        _write_tables(main, out.parent)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, out)
     if plots:
+        from dflash.evaluate.bench_report import plot_bench
         from dflash.evaluate.plots import plot_eval
 
-        plot_eval(result, out.parent)
+        if main is not None:
+            plot_eval(result, out.parent)
+        if result.get("bench"):
+            plot_bench(result["bench"], out.parent)
+
+
+def _write_tables(main: dict, out_dir: Path) -> None:
+    B = main["block_size"]
+    with open(out_dir / "acceptance.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["position", "acceptance"])
+        w.writerows([k, round(a, 6)] for k, a in zip(range(1, B), main["acceptance"]))
+    with open(out_dir / "tau_hist.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["tau", "count"])
+        w.writerows([t, c] for t, c in zip(range(1, B + 1), main["tau_hist"]))
 
 
 def _offline(cfg: EvalConfig, drafter, target_dir: str, identity, device: torch.device) -> dict:
@@ -168,42 +177,134 @@ def _offline(cfg: EvalConfig, drafter, target_dir: str, identity, device: torch.
     return offline
 
 
-def _online(cfg: EvalConfig, drafter, ckpt: Path, target_dir: str, identity, device: torch.device,
-            dtype: torch.dtype) -> dict:
-    """Online speculative decoding of the held-out prompts, in this process or --workers processes."""
-    from dflash.target_model.capture import load_target, load_tokenizer
+class _Target:
+    """The target, loaded at most once for every prompt set of the eval (and not at all when --workers
+    processes decode everything against a reused reference)."""
 
-    tokenizer = load_tokenizer(target_dir)
+    def __init__(self, target_dir: str, dtype: torch.dtype, device: torch.device):
+        self.dir, self.dtype, self.device, self._model = target_dir, dtype, device, None
+
+    def __call__(self):
+        if self._model is None:
+            from dflash.target_model.capture import load_target
+
+            self._model = load_target(self.dir, self.dtype, self.device)
+        return self._model
+
+
+def _decoder(cfg: EvalConfig, drafter, ckpt: Path, target: _Target, tokenizer):
+    """decode(prompts, refs) -> records (dflash.evaluate.online.decode_prompts), here or in --workers processes."""
+    threshold = cfg.confidence_threshold or None
+    if cfg.workers < 1:
+        raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
+
+    def decode(prompts: list[list[int]], refs: list | None) -> list[dict]:
+        if cfg.workers > 1:
+            from dflash.evaluate.workers import run_workers
+
+            job = {"checkpoint": str(ckpt), "target": target.dir, "device": str(target.device), "dtype": cfg.dtype,
+                   "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
+            return run_workers(job, prompts, refs, cfg.workers)
+        from tqdm import tqdm
+
+        from dflash.evaluate.batched_speculative import supports_batching
+        from dflash.evaluate.prompt_sets import decode_batched
+
+        model = target()
+        drafter.to(device=target.device, dtype=target.dtype)
+        eos = eos_token_ids(model, tokenizer)
+        bar = tqdm(total=len(prompts), desc="speculative decoding", unit="prompt")
+
+        def single(some: list[list[int]], some_refs: list | None) -> list[dict]:
+            return decode_prompts(model, drafter, some, some_refs, max_new_tokens=cfg.max_new_tokens, eos_ids=eos,
+                                  confidence_threshold=threshold, on_prompt=bar.update)
+
+        confident = threshold is not None and getattr(drafter, "confidence_head", None) is not None
+        if cfg.batch_size > 1 and refs is not None and supports_batching(model, drafter, confident):
+            records = decode_batched(model, drafter, prompts, refs, single, max_new_tokens=cfg.max_new_tokens,
+                                     eos_ids=eos, batch_size=cfg.batch_size, progress=bar.update)
+        else:
+            records = single(prompts, refs)
+        bar.close()
+        return records
+
+    return decode
+
+
+def _online(cfg: EvalConfig, drafter, decode, target: _Target, tokenizer, identity) -> dict:
+    """Online speculative decoding of the held-out prompts, against a batched, reused or per-prompt reference."""
     left_out: list = []
     rows: list = []
-    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples, prompt_budget(target_dir, cfg.max_new_tokens),
+    prompts = load_prompts(cfg.prompts, tokenizer, cfg.max_samples, prompt_budget(target.dir, cfg.max_new_tokens),
                            left_out, rows)
     reference = None
     if cfg.reference:
         from dflash.evaluate.reference import ReferenceFile
 
-        reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, device.type)
-    threshold = cfg.confidence_threshold or None
-    if cfg.workers < 1:
-        raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
-    if cfg.workers > 1:
-        from dflash.evaluate.workers import run_workers
+        reference = ReferenceFile(cfg.reference, identity, prompts, cfg.max_new_tokens, cfg.dtype, target.device.type)
+    refs = reference.load() if reference is not None else None
+    reused = refs is not None
+    disagree: list[int] = []
+    batched = None
+    if refs is None and cfg.batch_size > 1:
+        from tqdm import tqdm
 
-        refs = reference.load() if reference is not None else None
-        job = {"checkpoint": str(ckpt), "target": target_dir, "device": str(device), "dtype": cfg.dtype,
-               "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
-        records = run_workers(job, prompts, refs, cfg.workers)
-        online = finish_online(records, drafter.config.block_size, threshold, reference, refs is not None)
-    else:
-        target = load_target(target_dir, dtype, device)
-        drafter.to(device=device, dtype=dtype)
-        online = online_eval(target, drafter, prompts, max_new_tokens=cfg.max_new_tokens,
-                             eos_ids=eos_token_ids(target, tokenizer), confidence_threshold=threshold,
-                             reference=reference)
+        from dflash.evaluate.prompt_sets import batch_disagreements, reference_decode, with_timed_gaps
+
+        model = target()
+        with tqdm(total=len(prompts), desc="target-only reference", unit="prompt") as bar:
+            batched = reference_decode(model, prompts, max_new_tokens=cfg.max_new_tokens,
+                                       eos_ids=eos_token_ids(model, tokenizer), batch_size=cfg.batch_size,
+                                       progress=bar.update)
+        refs = with_timed_gaps(batched, cfg.timed_prompts)
+    elif reused and cfg.batch_size > 1:
+        from dflash.evaluate.prompt_sets import reused_with_timed
+
+        refs = reused_with_timed(refs, cfg.timed_prompts)
+    records = decode(prompts, refs)
+    if batched is not None:
+        disagree = batch_disagreements(records, batched, refs)
+    online = finish_online(records, drafter.config.block_size, cfg.confidence_threshold or None, reference, reused)
     for rec, row in zip(online["per_prompt"], rows):
         rec["row"] = row  # the prompt's row in --prompts
-    online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(device), prompts_left_out=len(left_out))
+    online.update(prompts=str(cfg.prompts), dtype=cfg.dtype, device=str(target.device), prompts_left_out=len(left_out))
+    if batched is not None:
+        online.update(reference_batch_size=cfg.batch_size, batched_reference_differs=disagree)
     return online
+
+
+def _bench_sets(cfg: EvalConfig) -> dict:
+    """The questions of each --bench prompt set, fetched (or refused) before anything is decoded."""
+    from dflash.evaluate.bench import bench_names, cache_dir, load_bench
+
+    cache = cache_dir(cfg.bench_cache)
+    return {name: load_bench(name, cache) for name in bench_names(cfg.bench)}
+
+
+def _benches(cfg: EvalConfig, sets: dict, drafter, decode, target: _Target, tokenizer) -> dict:
+    """The standard prompt sets (--bench), every turn against the target-only reference, per category."""
+    from tqdm import tqdm
+
+    from dflash.evaluate.bench import BENCHES
+    from dflash.evaluate.prompt_sets import run_benches
+
+    model = target()
+    turns = sum(len(q.turns) for items in sets.values() for q in items)
+    with tqdm(total=turns, desc=f"target-only reference ({', '.join(sets)})", unit="prompt") as bar:
+        out = run_benches(model, tokenizer, sets, decode, block_size=drafter.config.block_size,
+                          max_new_tokens=cfg.max_new_tokens, eos_ids=eos_token_ids(model, tokenizer),
+                          batch_size=cfg.batch_size, timed=cfg.timed_prompts,
+                          budget=prompt_budget(target.dir, cfg.max_new_tokens), progress=bar.update)
+    for name, s in out.items():
+        spec = BENCHES[name]
+        s.update(package=f"{spec.package}=={spec.version}", file=spec.member, sha256=spec.sha256,
+                 dtype=cfg.dtype, device=str(target.device), reference_batch_size=cfg.batch_size)
+    return out
+
+
+def _lossless_failure(name: str, s: dict) -> str:
+    return (f"speculative decoding differs from target-only greedy decoding on {len(s['mismatches'])} of "
+            f"{s['num_prompts']} prompt(s) of {name} (first: {s['mismatches'][0]}); see 'mismatches' in the eval JSON.")
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -213,12 +314,14 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     if not cfg.run:
         raise ConfigError("give --run RUN (a training run directory or one of its checkpoints).")
-    if not cfg.store and not cfg.prompts:
-        raise ConfigError("give --store HELDOUT_STORE (offline tau) and/or --prompts PATH (online decoding).")
+    if not cfg.store and not cfg.prompts and not cfg.bench:
+        raise ConfigError("give --store HELDOUT_STORE (offline tau), --prompts PATH and/or --bench SETS (online "
+                          "decoding).")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if cfg.dtype not in dtypes:
         raise ConfigError(f"eval dtype {cfg.dtype!r} is not one of fp32, bf16.")
     device = _device(cfg.device)
+    sets = _bench_sets(cfg) if cfg.bench else {}  # a wrong name or an unreachable index: before any loading
     drafter, ckpt, train_config = load_training_drafter(cfg.run)
     target_dir = _target_of(cfg, train_config, ckpt)
     identity = target_identity(target_dir)
@@ -229,19 +332,29 @@ def run_eval(cfg: EvalConfig) -> dict:
 
     if cfg.store:
         result["offline"] = _offline(cfg, drafter, target_dir, identity, device)
-    if cfg.prompts:
-        online = _online(cfg, drafter, ckpt, target_dir, identity, device, dtypes[cfg.dtype])
-        result["online"] = online
-        result["lossless"] = online["lossless"] and (online.get("confidence") or {}).get("lossless", True)
-        if "confidence" in online:
-            result["tau_confidence"] = online["confidence"]["tau"]
-        result["speedup"] = online["speedup"]
-        if not online["lossless"]:
-            lossless_failure = (
-                f"speculative decoding differs from target-only greedy decoding on {len(online['mismatches'])} of "
-                f"{online['num_prompts']} prompt(s) (first: {online['mismatches'][0]}); see 'mismatches' in the eval JSON."
-            )
-    result["tau"] = (result.get("offline") or result["online"])["tau"]
+    if cfg.prompts or cfg.bench:
+        from dflash.target_model.capture import load_tokenizer
+
+        target = _Target(target_dir, dtypes[cfg.dtype], device)
+        tokenizer = load_tokenizer(target_dir)
+        decode = _decoder(cfg, drafter, ckpt, target, tokenizer)
+        failures = []
+        if cfg.prompts:
+            online = _online(cfg, drafter, decode, target, tokenizer, identity)
+            result["online"] = online
+            result["lossless"] = online["lossless"] and (online.get("confidence") or {}).get("lossless", True)
+            if "confidence" in online:
+                result["tau_confidence"] = online["confidence"]["tau"]
+            result["speedup"] = online["speedup"]
+            if not online["lossless"]:
+                failures.append(_lossless_failure(str(cfg.prompts), online))
+        if cfg.bench:
+            result["bench"] = _benches(cfg, sets, drafter, decode, target, tokenizer)
+            result["lossless"] = result.get("lossless", True) and all(s["lossless"] for s in result["bench"].values())
+            failures += [_lossless_failure(n, s) for n, s in result["bench"].items() if not s["lossless"]]
+        lossless_failure = " ".join(failures) or None
+    main = result.get("offline") or result.get("online") or next(iter(result["bench"].values()))
+    result["tau"] = main["tau"]
 
     out = Path(cfg.out) if cfg.out else (Path(cfg.run) if not (Path(cfg.run) / "model.safetensors").is_file()
                                          else ckpt.parent.parent) / "eval.json"

@@ -32,7 +32,7 @@ ProposeHook = Callable[[int, torch.Tensor], torch.Tensor]
 @dataclass
 class Generation:
     tokens: list[int]  # generated token ids, prompt excluded
-    seconds: float  # wall time of the whole generation, prefill included
+    seconds: float | None  # wall time of the whole generation, prefill included; None: decoded in a batch
     acceptance: list[int] = field(default_factory=list)  # tokens produced per target forward (speculative)
     verified: list[int] = field(default_factory=list)  # drafts the target verified per step (speculative)
 

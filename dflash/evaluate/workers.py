@@ -46,7 +46,8 @@ def run_workers(job: dict, prompts: list[list[int]], refs: list | None, workers:
         procs = []
         for w, (lo, hi) in enumerate(parts):
             spec = dict(job, prompts=prompts[lo:hi], out=str(Path(tmp) / f"worker{w}.json"),
-                        refs=None if refs is None else [{"tokens": g.tokens, "seconds": g.seconds} for g in refs[lo:hi]])
+                        refs=None if refs is None else [None if g is None else {"tokens": g.tokens, "seconds": g.seconds}
+                                                            for g in refs[lo:hi]])
             path = Path(tmp) / f"job{w}.json"
             path.write_text(json.dumps(spec))
             err = open(Path(tmp) / f"worker{w}.err", "w+")
@@ -114,7 +115,8 @@ def main(job_path: str) -> None:
     drafter, _, _ = load_training_drafter(job["checkpoint"])
     target = load_target(job["target"], dtype, device)
     drafter.to(device=device, dtype=dtype)
-    refs = None if job["refs"] is None else [Generation(tokens=g["tokens"], seconds=g["seconds"]) for g in job["refs"]]
+    refs = None if job["refs"] is None else [None if g is None else Generation(tokens=g["tokens"], seconds=g["seconds"])
+                                             for g in job["refs"]]
     out = Path(job["out"])
     done = [0]
 

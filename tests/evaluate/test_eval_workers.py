@@ -96,6 +96,19 @@ def test_a_mismatch_in_a_later_slice_names_its_prompt(run_dir, one_process):
     assert "differs from target-only greedy decoding on 1 of 5" in bad["stderr"] and "'prompt': 4" in bad["stderr"]
 
 
+@pytest.mark.slow
+def test_workers_against_a_batched_reference_give_one_processs_result(run_dir, one_process):
+    """--batch-size: the parent decodes the target-only reference in batches, the workers decode against it
+    (and decode --timed-prompts prompts target-only alone, for the speed-up): one process's outputs."""
+    tmp, chats = run_dir
+    two = _eval(tmp, chats, 2, "b2.json", "--batch-size", "4", "--timed-prompts", "2")
+    assert one_process["rc"] == 0 and two["rc"] == 0, (one_process["stderr"], two["stderr"])
+    a, b = one_process["result"]["online"], two["result"]["online"]
+    same = ("tau", "acceptance", "tau_hist", "lossless", "mismatches", "num_prompts", "new_tokens", "per_prompt")
+    assert {k: a[k] for k in same} == {k: b[k] for k in same}
+    assert b["lossless"] and b["speedup"] > 0 and b["batched_reference_differs"] == []
+
+
 def test_a_failing_worker_is_one_paragraph(run_dir):
     tmp, chats = run_dir
     bad = _eval(tmp, chats, 2, "f.json", "--device", "cuda:7") if not torch.cuda.is_available() else None

@@ -173,3 +173,22 @@ def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_ta
     # no stage is pinned to the CPU: on the GPU machine each takes the GPUs it sees
     where = {n: c.job.gpus if n == "train" else getattr(c, "gpus", None) or c.device for n, c in built.items()}
     assert set(where.values()) == {"auto"}, where
+
+
+def test_the_eval_stage_reports_both_prompt_sets_from_the_bench_stage():
+    """The eval reads MT-Bench and HumanEval from the folder stage bench fills (the GPU machine may be
+    offline), and depends on it."""
+    import shlex
+
+    import yaml
+
+    from dflash.config import EvalConfig, build_config
+    from dflash.evaluate.bench import bench_names
+
+    root = STAGE.parents[1]
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    ev = build_config(EvalConfig, root / "params.yaml", {})
+    assert bench_names(ev.bench) == ["mt-bench", "humaneval"] and ev.prompts and ev.batch_size > 1
+    words = shlex.split(stages["bench"]["cmd"])
+    assert words[words.index("--cache") + 1] == ev.bench_cache and set(words) >= set(bench_names(ev.bench))
+    assert ev.bench_cache in stages["bench"]["outs"] and ev.bench_cache in stages["eval"]["deps"]

@@ -1,0 +1,80 @@
+"""Speculative decoding of many prompts in one batch (dflash.evaluate.batched_speculative) gives, row by
+row, what decoding each prompt alone gives: the drafter's proposals at every step, the accepted lengths and
+the tokens, with rows of different prompt lengths whose blocks are cut at different positions (rejected
+drafts left in the target's cache, masked) and that finish at different steps (leaving the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_conversations_jsonl, make_tiny_target
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.evaluate.run import load_prompts
+    from dflash.evaluate.speculative import greedy_generate
+    from dflash.target_model.capture import load_target, load_tokenizer
+
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("batched")
+    target_dir = make_tiny_target(tmp, num_layers=4)
+    tok = load_tokenizer(target_dir)
+    target = load_target(target_dir, torch.float32, torch.device("cpu"))
+    prompts = load_prompts(make_conversations_jsonl(tmp / "c.jsonl", n=5, seed=5), tok)
+    cfg = DrafterConfig.from_target(target.config, num_layers=2, block_size=B, target_layer_ids=[1, 3],
+                                    mask_token_id=len(tok))
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    refs = [greedy_generate(target, torch.tensor(p), 30, set()).tokens for p in prompts]
+    return target, drafter, prompts, refs
+
+
+def test_each_row_decodes_as_its_prompt_alone(setup):
+    from dflash.evaluate.batched_speculative import speculative_rows
+    from dflash.evaluate.speculative import speculative_generate
+
+    target, drafter, prompts, refs = setup
+    assert len({len(p) for p in prompts}) == len(prompts)
+    wrong_from = [None, 3, 5, 2, 7]  # the oracle is right up to this block position (None: whole blocks)
+    eos = {refs[2][17]}  # row 2 stops early, the others at 30 tokens or at their own eos
+    seen: dict[str, dict] = {"alone": {}, "batched": {}}
+
+    def oracle(k: int, how: str):
+        P = len(prompts[k])
+
+        def propose(start: int, proposals: torch.Tensor) -> torch.Tensor:
+            seen[how][(k, start)] = proposals.tolist()  # the drafter's own guesses, before the oracle's
+            nxt = refs[k][start - P + 1 : start - P + B]
+            out = torch.tensor(nxt + [0] * (B - 1 - len(nxt)))
+            if wrong_from[k] is not None:
+                out[wrong_from[k] - 1 :] = (out[wrong_from[k] - 1 :] + 1) % 100
+            return out
+
+        return propose
+
+    alone = [speculative_generate(target, drafter, torch.tensor(p), 30, eos, propose=oracle(k, "alone"))
+             for k, p in enumerate(prompts)]
+    rows = speculative_rows(target, drafter, prompts, 30, eos,
+                            propose=lambda r, start, p: oracle(r, "batched")(start, p))
+    assert [g.tokens for g in rows] == [g.tokens for g in alone]
+    assert [g.acceptance for g in rows] == [g.acceptance for g in alone]
+    assert seen["batched"].keys() == seen["alone"].keys()
+    for key, got in seen["batched"].items():
+        assert got == seen["alone"][key], key
+    assert {a for g in alone for a in g.acceptance} >= {2, 3, 5, B}  # blocks cut at different positions
+    assert len({len(g.acceptance) for g in alone}) > 1  # rows leave the batch at different steps
+    assert all(g.seconds is None for g in rows)
+
+
+def test_untrained_drafter_rows_are_lossless(setup):
+    from dflash.evaluate.batched_speculative import speculative_rows
+
+    target, drafter, prompts, refs = setup
+    rows = speculative_rows(target, drafter, prompts, 30, set())
+    assert [g.tokens for g in rows] == refs
+    assert all(sum(g.acceptance) == len(g.tokens) - 1 for g in rows)  # the prefill's token, then the steps'
