@@ -7,7 +7,7 @@ in a DataLoader worker (dflash.train.loader) and pickled to the training process
 shared memory, as the DataLoader sends any tensor.  Its small tensors (all but the context features) are
 views of one buffer, the batch's `arena`: one shared-memory handle crosses the process boundary, and one
 page-locking and one copy take them to the device, where each of ~20 tensors took its own (a handle
-costs the receiving process a socket round trip: docs/BENCHMARKS.md "CPU, session 28").
+costs the receiving process a socket round trip).
 """
 
 from __future__ import annotations

@@ -122,8 +122,8 @@ class RunLogger:
                   if isinstance(v, (int, float)) and k != "step"]
         values += [Summary.Value(tag=f"acc/pos{k:02d}", simple_value=float(a)) for k, a in enumerate(rec["acc"], start=1)
                    if a is not None]
-        # Every scalar of the step in one event: an add_scalar each (~38 at block 16) cost the training
-        # thread 1.4 ms a step on the CPU, this 0.2 ms (docs/BENCHMARKS.md "CPU, session 28").
+        # Every scalar of the step in one event: an add_scalar each (~38 at block 16) costs the training
+        # thread several times the host time of one event a step.
         self.tb.file_writer.add_summary(Summary(value=values), rec["step"])
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}",
                              tok_s=f"{rec['ctx_tokens_per_s']:.0f}", refresh=False)
