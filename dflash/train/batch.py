@@ -74,8 +74,8 @@ class MicroBatch:
     topk_logprobs: torch.Tensor | None = None
     """[R, Q, K] float32: their log-probabilities (--kd), else None."""
     final_hidden: torch.Tensor | None = None
-    """[R, Q, H] bf16: the target's pre-norm last hidden state at each label's source position (--arch dspark
-    with tv_source final_hidden), else None."""
+    """[R, Q, H] bf16: the target's pre-norm last hidden state at each label's source position, when the
+    drafter family needs it (StoreNeeds.final_hidden), else None."""
     seq: int | None = None
     """Its position in the loader's order when the loader numbers batches (batch slots), else None."""
     slot: int | None = None

@@ -148,8 +148,8 @@ class Trainer:
 
     def save(self) -> None:
         """One checkpoint: all ranks gather the state into host memory, rank 0 hands it to the writer thread
-        (the disk write overlaps the next steps; a 3-layer DFlash2 drafter of a 135M target is 449 MB), and
-        everyone goes on once the state is gathered."""
+        (the disk write overlaps the next steps: a checkpoint with its optimizer state is several times the
+        drafter's weights), and everyone goes on once the state is gathered."""
         state = self.state_dict()
         if self.rank == 0:
             state = ckpt.host_snapshot(state, self.device)

@@ -116,13 +116,13 @@ def test_unquoted_yaml_on_and_off_read_as_the_choices_they_spell(tmp_path):
 
 
 def test_the_arch_choices_are_the_drafter_registry():
-    from dflash.drafter import ARCHS, VARIANTS
+    from dflash.drafter import ARCHS, FAMILIES
 
     arch = options_of(TrainConfig)["arch"]
     assert choices_of(arch.type) == ARCHS
-    for name, variant in VARIANTS.items():  # a variant's knobs are the fields of the section named after it
-        if variant.knobs:
-            assert set(variant.knobs) <= {f.name for f in dataclasses.fields(SECTION_TYPES[name])}, name
+    for name, family in FAMILIES.items():  # a family's knobs are the fields of the section named after it
+        if family.knobs:
+            assert set(family.knobs) <= {f.name for f in dataclasses.fields(SECTION_TYPES[name])}, name
 
 
 def test_rules_of_a_section_and_across_sections():
