@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash.config.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
 from dflash.drafter.registry import ARCHS, FAMILIES
+from dflash.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
 
 Arch = Literal[ARCHS]  # the drafter families (dflash.drafter.registry)
 DrafterInit = Literal["random", "target"]

@@ -1,14 +1,14 @@
 """DFlash2's section of `dflash train`'s options (`train.dflash2` in params.yaml, flat on the command line).
 
-The config loader (dflash.config.train) reads it through the family (`FAMILY.options()`); nothing else
-imports it, so that loading the options never needs torch.
+The config loader (dflash.config.train) reads it through the family (`FAMILY.options()`); a run reads
+its values as `cfg.dflash2` (`FAMILY.section(cfg)`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.config.fields import Options, opt
+from dflash.fields import Options, opt
 
 
 @dataclass

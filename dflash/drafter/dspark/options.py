@@ -1,7 +1,7 @@
 """DSpark's section of `dflash train`'s options (`train.dspark` in params.yaml, flat on the command line).
 
-The config loader (dflash.config.train) reads it through the family (`FAMILY.options()`); nothing else
-imports it, so that loading the options never needs torch.
+The config loader (dflash.config.train) reads it through the family (`FAMILY.options()`); a run reads
+its values as `cfg.dspark` (`FAMILY.section(cfg)`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash.config.fields import Options, opt
+from dflash.fields import Options, opt
 
 TvSource = Literal["final_hidden", "topk"]
 
