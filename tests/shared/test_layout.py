@@ -6,6 +6,7 @@ including those inside functions (heavy imports are deferred there), so a lazy i
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,17 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_only_the_drafter_package_names_a_drafter_family():
+    # A family lives in dflash/drafter/<name>/ behind DrafterFamily: the stages ask the registry, so adding
+    # one touches its package and one registry line (the config's help text may name them to the user).
+    from dflash.drafter.registry import FAMILIES
+
+    names = re.compile(r"\b(" + "|".join(n for n in FAMILIES if n != "dflash") + r")\b", re.IGNORECASE)
+    naming = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+              if p.parent.name != "config" and PKG / "drafter" not in p.parents and names.search(p.read_text())]
+    assert not naming, f"modules outside dflash/drafter/ that name a drafter family: {naming}"
 
 
 def test_only_the_cli_knows_the_command_line():
