@@ -61,7 +61,8 @@ class LossInputs:
 
 
 class DrafterFamily:
-    """A drafter family as the stages see it.  The defaults are DFlash's: a family overrides what differs."""
+    """A drafter family as the stages see it.  Beyond its classes, the defaults are what DFlash does (the
+    decayed cross-entropy, lm_head's argmax as proposals): a family overrides what differs."""
 
     name: str = ""  # its --arch
     summary: str = ""  # what --arch's help says of it (empty: its name alone)
@@ -80,14 +81,12 @@ class DrafterFamily:
         return getattr(cfg, self.name, None)
 
     def config_class(self) -> type[DrafterConfig]:
-        from dflash.drafter.config import DrafterConfig
-
-        return DrafterConfig
+        """Its config: DrafterConfig or a subclass (its own fields, `from_base`, its config.json round trip)."""
+        raise NotImplementedError
 
     def drafter_class(self) -> type:
-        from dflash.drafter.dflash.model import DFlashDrafter
-
-        return DFlashDrafter
+        """Its drafter: DFlashDrafter or a subclass, built as cls(config, flex_kernel_options, context_scale)."""
+        raise NotImplementedError
 
     def with_knobs(self, cfg: DrafterConfig, **knobs) -> DrafterConfig:
         """`cfg` (a DFlash config) as this family's, with these own fields (None = the default)."""

@@ -66,7 +66,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     from safetensors.torch import load_file
 
     from dflash.drafter import build_drafter, config_from_hf_dict
-    from dflash.drafter.dflash import CONTEXT_SCALE
+    from dflash.drafter.dflash.model import CONTEXT_SCALE
     from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)

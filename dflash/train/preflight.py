@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from dflash.config import TrainConfig
+from dflash.drafter import family
 from dflash.errors import ConfigError, DFlashError, StoreError
 from dflash.jsonl import jsonl_lines
 from dflash.paths import portable
@@ -226,8 +227,6 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
 def _drafter_config(dcfg, cfg: TrainConfig):
     """The drafter config of the run's family (--arch and its option section) from the DFlash one derived
     from the target; a ConfigError for a choice that cannot train."""
-    from dflash.drafter import family
-
     fam = family(cfg.drafter.arch)  # a name of the registry: TrainConfig checked its choices
     if fam.heads_outside_forward and cfg.systems.parallel == "fsdp":
         raise ConfigError(f"--arch {fam.name} trains its heads outside the drafter's forward, which FSDP2 does "
@@ -257,8 +256,6 @@ def _checked_store(cfg: TrainConfig, identity: dict):
         raise ConfigError(f"--labels {cfg.data.labels} trains on the target's greedy tokens, its stored top-1, but store "
                           f"{cfg.job.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
                           "train with --labels data.")
-    from dflash.drafter import family
-
     family(cfg.drafter.arch).check(cfg, store)  # what the drafter family needs of the store
     if cfg.monitor.eval_every:
         if not cfg.monitor.eval_store:
@@ -280,7 +277,7 @@ def _store_record(cfg: TrainConfig, store) -> dict:
 
 
 def preflight(cfg: TrainConfig) -> ResolvedRun:
-    from dflash.drafter import DrafterConfig, family
+    from dflash.drafter import DrafterConfig
     from dflash.target_model.files import engine_layer_problem, target_config, target_identity
 
     cfg.check()  # each section's rules (dflash/config/train.py); choices were checked when cfg was built

@@ -241,8 +241,10 @@ class TrainStep:
 
         def decayed(top_k: int):
             sel = labelled(labels, m.label_index)
-            reweight = ((lambda ce: obj.dpace_loss_weight(ce, labels, weight, sel, B, alpha).reshape(-1).index_select(0, sel))
-                        if cfg.objective.loss == "dpace" else None)
+            reweight = None
+            if cfg.objective.loss == "dpace":
+                def reweight(ce):
+                    return obj.dpace_loss_weight(ce, labels, weight, sel, B, alpha).reshape(-1).index_select(0, sel)
             return block_loss(hidden, self.head, labels, weight, block_size=B, denom=denom, topk_ids=m.topk_ids,
                               topk_logprobs=m.topk_logprobs, kd_weight=cfg.objective.kd_weight,
                               kd_temperature=cfg.objective.kd_temperature, chunk=cfg.objective.lm_head_chunk,

@@ -136,7 +136,7 @@ class Trainer:
     def _set_context_scale(self) -> None:
         """A fresh --context-scale rms run: the factors preflight measured (measured here, the same way on
         every rank, if preflight expected a checkpoint that is gone)."""
-        from dflash.drafter.dflash import CONTEXT_SCALE
+        from dflash.drafter.dflash.model import CONTEXT_SCALE
 
         found = self.run.context_scale
         if found is None:

@@ -130,7 +130,8 @@ def test_the_arch_choices_are_the_drafter_registry():
 def test_the_command_line_and_its_config_load_without_torch():
     # the config reads --arch's choices and the families' sections from the drafter registry: that must not
     # pull in a model (the CLI's help would wait for torch)
-    code = "import sys, dflash.cli, dflash.drafter; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = ("import sys, dflash.cli, dflash.drafter; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

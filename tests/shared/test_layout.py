@@ -15,8 +15,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "dflash"
 
-SHARED = {"dflash", "dflash.config", "dflash.errors", "dflash.fields", "dflash.chat", "dflash.hostgc", "dflash.cpu_threads",
-          "dflash.locks", "dflash.spawned", "dflash.paths", "dflash.jsonl"}
+SHARED = {"dflash", "dflash.config", "dflash.errors", "dflash.fields", "dflash.chat", "dflash.hostgc",
+          "dflash.cpu_threads", "dflash.locks", "dflash.spawned", "dflash.paths", "dflash.jsonl"}
 # what each layer may import besides itself; the data flow is generate -> precompute -> store -> train -> evaluate
 ALLOWED = {
     "shared": {"shared"},

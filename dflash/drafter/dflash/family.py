@@ -1,4 +1,4 @@
-"""DFlash as the stages see it: the interface's defaults (dflash.drafter.family), named."""
+"""DFlash as the stages see it: its classes, and the interface's defaults (dflash.drafter.family)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ class DFlashFamily(DrafterFamily):
 
     name = "dflash"
     architectures = ("DFlashDraftModel",)
+
+    def config_class(self) -> type:
+        from dflash.drafter.config import DrafterConfig
+
+        return DrafterConfig
+
+    def drafter_class(self) -> type:
+        from dflash.drafter.dflash.model import DFlashDrafter
+
+        return DFlashDrafter
 
 
 FAMILY = DFlashFamily()

@@ -45,8 +45,9 @@ class DFlash2Family(DrafterFamily):
         from dflash.drafter.labels import labelled
 
         out = x.block_loss(x.drafter.config.selector_top_k)
-        return add_selector_term(out, x.drafter, x.hidden, x.labels, x.block_input_ids, labelled(x.labels, x.label_index),
-                                 block_size=x.block_size, denom=x.denom, weight=x.options.selector_loss_weight)
+        sel = labelled(x.labels, x.label_index)
+        return add_selector_term(out, x.drafter, x.hidden, x.labels, x.block_input_ids, sel, block_size=x.block_size,
+                                 denom=x.denom, weight=x.options.selector_loss_weight)
 
     def predictions(self, drafter, hidden, lm_head, labels, block_input_ids, block_size: int):
         from dflash.drafter.dflash2.loss import selector_predictions

@@ -84,7 +84,8 @@ class DSparkFamily(DrafterFamily):
 
     def loss_sum(self, stats, cfg) -> float:
         o = cfg.dspark
-        return o.dspark_ce_weight * stats.ce_sum + o.dspark_tv_weight * stats.tv_sum + o.dspark_confidence_weight * stats.conf_sum
+        return (o.dspark_ce_weight * stats.ce_sum + o.dspark_tv_weight * stats.tv_sum
+                + o.dspark_confidence_weight * stats.conf_sum)
 
     def metrics(self, stats, weight_sum: float) -> dict:
         return {"tv": stats.tv_sum / weight_sum, "confidence_bce": stats.conf_sum / weight_sum}

@@ -7,8 +7,8 @@ vLLM serves a `Qwen3DSparkModel` (docs/DESIGN.md §12).
 
 Block layout: DFlash's (`[anchor, MASK x (B-1)]`, positions 1..B-1 propose), which vLLM serves for a
 DSpark checkpoint that sets `dspark_bonus_anchor` (`num_speculative_tokens = block_size - 1`).  The
-backbone is `dflash.drafter.dflash.model`'s unchanged; a DSpark drafter built from a seed draws the backbone
-the DFlash drafter of that seed draws.
+backbone is `dflash.drafter.dflash.model`'s unchanged; a DSpark drafter built from a seed draws the
+backbone the DFlash drafter of that seed draws.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dflash.drafter.dflash.model import DFlashDrafter, drafter_logits, init_line
 
 ARCHITECTURE = "Qwen3DSparkModel"
 KNOBS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
-# config.json fields this variant writes (top level, where vLLM's Qwen3DSparkModel reads them, and in
+# config.json fields this family writes (top level, where vLLM's Qwen3DSparkModel reads them, and in
 # dflash_config, where SpecForge's DSparkDraftModel configs keep them); from_hf_dict reads either.
 _OWN = (*KNOBS, "markov_head_type", "dspark_bonus_anchor", "projector_type")
 
