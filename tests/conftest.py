@@ -8,8 +8,8 @@ from collections import Counter
 
 # One intra-op thread for every process the tests start (before torch is imported here or in a child):
 # pytest-xdist already runs a worker per core, and each worker's trainers, shard and loader processes
-# taking every core made OpenMP's threads spin against each other (the suite ran ~15% slower for ~25% more
-# CPU, docs/BENCHMARKS.md "CPU, session 31"). dflash's stages honour an explicit OMP_NUM_THREADS.
+# taking every core made OpenMP's threads spin against each other (the suite ran slower for more CPU).
+# dflash's stages honour an explicit OMP_NUM_THREADS.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402

@@ -4,11 +4,13 @@ Values come from three layers, later ones winning: the dataclass default, the st
 `params.yaml` (`--config`, default `./params.yaml` when present), then flags given on the command line.
 Unknown keys in params.yaml are an error (a typo there would otherwise silently do nothing).
 
-    fields.py   `opt` (a field and its help, written once), `Literal` choices and their one check, coercion
     stages.py   GenerateConfig, PrecomputeConfig, EvalConfig, ExportConfig: one flat group of options each
     train.py    TrainConfig: `dflash train`'s options in sections (job, drafter, optim, data, ...)
     load.py     build_config: defaults < params.yaml (nested or flat) < flags; to_dict, flat_options
     docs.py     docs/OPTIONS.md (`python -m dflash.config > docs/OPTIONS.md`)
+
+A field and its help (`opt`), its choices and their coercion are dflash.fields' (the drafter families'
+option sections are written with them too, dflash.drafter.<family>.options).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 from dataclasses import Field
 
 from dflash.config.docs import options_markdown
-from dflash.config.fields import AutoOnOff, Options, check_choice, choices_of, opt, show_default
 from dflash.config.load import (
     EXPLICIT_ONLY,
     SECTIONS,
@@ -31,6 +32,7 @@ from dflash.config.load import (
 )
 from dflash.config.stages import EvalConfig, ExportConfig, GenerateConfig, PrecomputeConfig
 from dflash.config.train import OWNER, SECTION_TYPES, TrainConfig
+from dflash.fields import AutoOnOff, Options, check_choice, choices_of, opt, show_default
 
 # each command's options by flat name (for TrainConfig across its sections): the field, with its help
 FIELDS: dict[type, dict[str, Field]] = {cls: {n: o.field for n, o in options_of(cls).items()} for cls in SECTIONS}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dflash.config.fields import choices_of, show_default
 from dflash.config.load import SECTIONS, options_of
 from dflash.config.train import SECTION_TYPES, TrainConfig
+from dflash.fields import choices_of, show_default
 
 
 def _table(cls: type, names: list[str]) -> list[str]:

@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from dflash.config.fields import coerce
 from dflash.config.stages import EvalConfig, ExportConfig, GenerateConfig, PrecomputeConfig
 from dflash.config.train import OWNER, SECTION_TYPES, TrainConfig
 from dflash.errors import ConfigError
+from dflash.fields import coerce
 
 SECTIONS: dict[type, str] = {
     GenerateConfig: "generate",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dflash.config.fields import AutoDtype, AutoOnOff, Options, opt
+from dflash.fields import AutoDtype, AutoOnOff, Options, opt
 
 HiddenDtype = Literal["bf16", "fp8"]
 Writer = Literal["process", "thread"]

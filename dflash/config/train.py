@@ -11,15 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dflash.config.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
+from dflash.drafter.registry import ARCHS, FAMILIES
+from dflash.fields import AutoDtype, AutoOnOff, Options, check_rules, opt
 
-Arch = Literal["dflash", "dflash2", "dspark"]
+Arch = Literal[ARCHS]  # the drafter families (dflash.drafter.registry)
 DrafterInit = Literal["random", "target"]
 Labels = Literal["data", "target", "rollout"]
 LossNorm = Literal["step", "micro_batch"]
 LossKernel = Literal["triton", "compiled"]
 Loss = Literal["ce", "dpace"]
-TvSource = Literal["final_hidden", "topk"]
 Parallel = Literal["ddp", "fsdp"]
 ContextScale = Literal["none", "rms"]
 
@@ -45,9 +45,8 @@ class Job(Options):
 class Drafter(Options):
     """The drafter's shape and its initial weights (docs/DESIGN.md §2)."""
 
-    arch: Arch = opt("dflash", "Drafter: dflash; dflash2 (grouped dynamic block convolutions and a top-K candidate "
-                     "selector; exported as DFlash2DraftModel); dspark (a Markov head and a confidence head; exported "
-                     "as Qwen3DSparkModel, docs/DESIGN.md §12).")
+    arch: Arch = opt("dflash", "Drafter: " + "; ".join(f.name + (f" ({f.summary})" if f.summary else "")
+                                                       for f in FAMILIES.values()) + ".")
     block_size: int = opt(16, "Tokens per drafted block.")
     num_layers: int = opt(3, "Drafter layers.  3: the best measured tau per GPU-second and per FLOP at block 16 "
                           "(docs/RECIPE.md, setup c); 5 is the published z-lab layout.")
@@ -75,35 +74,6 @@ class Drafter(Options):
     def rules(self) -> list[tuple[bool, str]]:
         return [(self.block_size >= 2, "--block-size must be at least 2."),
                 (self.num_layers >= 1, "--num-layers must be at least 1.")]
-
-
-@dataclass
-class DFlash2(Options):
-    """`--arch dflash2`: grouped dynamic block convolutions and a top-K candidate selector (docs/DESIGN.md §11)."""
-
-    conv_kernel_size: int = opt(2, "--arch dflash2: taps of each block convolution.")
-    conv_group_size: int = opt(16, "--arch dflash2: channels per dynamic coefficient (divides the hidden size).")
-    selector_rank: int = opt(256, "--arch dflash2: rank of the candidate selector's transition.")
-    selector_top_k: int = opt(16, "--arch dflash2: lm_head candidates the selector reranks per position.")
-    selector_loss_weight: float = opt(1.0, "--arch dflash2: weight of the selector's K-way cross-entropy term.")
-
-
-@dataclass
-class DSpark(Options):
-    """`--arch dspark`: a Markov head and a confidence head, and their loss terms (docs/DESIGN.md §12)."""
-
-    markov_rank: int = opt(256, "--arch dspark: rank of the Markov head's previous-token logit bias.")
-    enable_confidence_head: bool = opt(True, "--arch dspark: train the confidence head (P(accept) per position).")
-    confidence_head_with_markov: bool = opt(True, "--arch dspark: the confidence head also reads the Markov "
-                                            "embedding of the previous token.")
-    dspark_ce_weight: float = opt(0.1, "--arch dspark: weight of the cross-entropy term (DeepSpec's 0.1).")
-    dspark_tv_weight: float = opt(0.9, "--arch dspark: weight of the distance to the target's distribution, "
-                                  "sum |q - p| = 2 TV, as DeepSpec computes it (0.9).")
-    dspark_confidence_weight: float = opt(1.0, "--arch dspark: weight of the confidence head's BCE against "
-                                          "1 - TV, the acceptance probability.")
-    tv_source: TvSource = opt("final_hidden", "--arch dspark: the target distribution p: final_hidden = the full "
-                              "distribution recomputed from the store's final hidden state (precompute --final-hidden); "
-                              "topk = the stored top-k, renormalised.")
 
 
 @dataclass
@@ -245,8 +215,10 @@ class Stream(Options):
         return [(self.follow_poll > 0 and self.follow_timeout >= 0, "--follow-poll must be positive, --follow-timeout >= 0.")]
 
 
+# each drafter family with options of its own has a section named after it (dflash.drafter.family)
+FAMILY_SECTIONS: dict[str, type] = {f.name: f.options() for f in FAMILIES.values() if f.options() is not None}
 SECTION_TYPES: dict[str, type] = {
-    "job": Job, "drafter": Drafter, "dflash2": DFlash2, "dspark": DSpark, "optim": Optim, "data": Data,
+    "job": Job, "drafter": Drafter, **FAMILY_SECTIONS, "optim": Optim, "data": Data,
     "objective": Objective, "systems": Systems, "checkpoint": Checkpoint, "monitor": Monitor, "stream": Stream,
 }
 # flat option name -> its section
@@ -255,14 +227,25 @@ assert len(OWNER) == sum(len(dataclasses.fields(c)) for c in SECTION_TYPES.value
 assert not set(OWNER) & set(SECTION_TYPES), "a section named like an option"
 
 
+def _with_family_sections(cls: type) -> type:
+    """`cls` with a field for each family's section too, every field in SECTION_TYPES' order (so that
+    dataclasses.replace and the field list carry the families' options like any other section)."""
+    own = dict(cls.__annotations__)
+    assert set(own) | set(FAMILY_SECTIONS) == set(SECTION_TYPES), "TrainConfig's fields are SECTION_TYPES"
+    cls.__annotations__ = {name: own.get(name, section) for name, section in SECTION_TYPES.items()}
+    for name, section in FAMILY_SECTIONS.items():
+        setattr(cls, name, field(default_factory=section))
+    return cls
+
+
 @dataclass(init=False)
+@_with_family_sections
 class TrainConfig:
     """`dflash train`: train a drafter from a store, one process per device (docs/DESIGN.md §3, §7)."""
 
     job: Job = field(default_factory=Job)
     drafter: Drafter = field(default_factory=Drafter)
-    dflash2: DFlash2 = field(default_factory=DFlash2)
-    dspark: DSpark = field(default_factory=DSpark)
+    # then the section of each drafter family with options of its own, named after it (FAMILY_SECTIONS)
     optim: Optim = field(default_factory=Optim)
     data: Data = field(default_factory=Data)
     objective: Objective = field(default_factory=Objective)
@@ -326,5 +309,5 @@ class TrainConfig:
         check_rules(self.rules())
 
 
-__all__ = ["OWNER", "SECTION_TYPES", "Checkpoint", "DFlash2", "DSpark", "Data", "Drafter", "Job", "Monitor", "Objective",
+__all__ = ["FAMILY_SECTIONS", "OWNER", "SECTION_TYPES", "Checkpoint", "Data", "Drafter", "Job", "Monitor", "Objective",
            "Optim", "Stream", "Systems", "TrainConfig"]

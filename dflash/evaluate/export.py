@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import ExportConfig, flat_options
+from dflash.drafter import FAMILIES, family_of
 from dflash.errors import ConfigError, DFlashError
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -46,11 +47,11 @@ def drafter_state(state: dict[str, torch.Tensor], cfg, where, fold: bool = True)
     --context-scale rms state has its context_scale buffer folded into fc.weight (`fold`; else dropped):
     the plain DFlash drafter computing the same function."""
     from dflash.drafter import export_keys
-    from dflash.drafter.dflash import CONTEXT_SCALE, fold_context_scale
+    from dflash.drafter.dflash.model import CONTEXT_SCALE, fold_context_scale
 
     state = {_strip(k): v for k, v in state.items()}
     state = fold_context_scale(state) if fold else {k: v for k, v in state.items() if k != CONTEXT_SCALE}
-    want = export_keys(cfg)  # DFlash2: also the convolutions and the candidate selector
+    want = export_keys(cfg)  # the family's own modules too
     missing = [k for k in want if k not in state]
     if missing:
         raise DFlashError(
@@ -65,7 +66,7 @@ def load_training_drafter(run_or_checkpoint) -> tuple[torch.nn.Module, Path, dic
     from safetensors.torch import load_file
 
     from dflash.drafter import build_drafter, config_from_hf_dict
-    from dflash.drafter.dflash import CONTEXT_SCALE
+    from dflash.drafter.dflash.model import CONTEXT_SCALE
     from dflash.train.checkpoint import check_safetensors, resolve_checkpoint
 
     src = Path(run_or_checkpoint)
@@ -110,7 +111,7 @@ def load_export(out_dir, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     out_dir = Path(out_dir)
     check_safetensors(out_dir / "model.safetensors")
     d = json.loads((out_dir / "config.json").read_text())
-    cfg = config_from_hf_dict(d)  # DFlash2DraftModel -> DFlash2Config
+    cfg = config_from_hf_dict(d)  # of the family its `architectures` names
     eagle = d.get("eagle_aux_hidden_state_layer_ids")
     if eagle is not None and list(eagle) != [i + 1 for i in cfg.target_layer_ids]:
         raise DFlashError(f"export {out_dir}: eagle_aux_hidden_state_layer_ids {eagle} is not target_layer_ids + 1 "
@@ -140,7 +141,7 @@ def _check_out(out: Path, source: Path) -> None:
         raise ConfigError(f"export directory {out} is inside the source {source}; choose a directory outside it.")
     if out.exists():
         text = (out / "config.json").read_text() if (out / "config.json").is_file() else ""
-        is_export = "DFlashDraftModel" in text or "DFlash2DraftModel" in text
+        is_export = any(a in text for f in FAMILIES.values() for a in f.architectures)
         if not out.is_dir() or (any(out.iterdir()) and not is_export):
             raise ConfigError(
                 f"{out} exists and is not an earlier dflash export; pass a new directory (an earlier export "
@@ -183,7 +184,7 @@ def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: 
     cfg = drafter.config
     hf = engine_config(cfg)
     metadata = {k: v for k, v in (metadata or {}).items() if not _is_local_path(v)}
-    hf["architectures"] = cfg.to_hf_dict()["architectures"]  # DFlashDraftModel or DFlash2DraftModel
+    hf["architectures"] = cfg.to_hf_dict()["architectures"]  # the family's
     hf["model_type"] = "qwen3"
     hf["dtype"] = _HF_DTYPE[dtype]
     hf["torch_dtype"] = _HF_DTYPE[dtype]  # what transformers < 4.56 (and engines built on it) read
@@ -246,31 +247,11 @@ def check_export(out_dir, reference, dtype: torch.dtype, lm_head: torch.Tensor |
     diff = float((a - b).abs().max())
     scale = float(b.abs().max())
     fields = _without_local_paths(exported.config.to_hf_dict()) == _without_local_paths(ref.config.to_hf_dict())
-    if ref.selects_candidates:  # DFlash2: the served proposals of the same blocks must agree too
-        h, anchor = ref(*batch)[:, 1 : cfg.block_size], torch.zeros(1, dtype=torch.long)
-        fields = fields and bool((exported.propose(h, lm_head, anchor) == ref.propose(h, lm_head, anchor)).all())
-    if ref.dspark_heads:  # DSpark: the heads too, on the same blocks
-        head_diff, same = _dspark_heads_diff(exported, ref, batch, lm_head)
-        diff, fields = max(diff, head_diff), fields and same
+    own_diff, same = family_of(cfg).export_check(exported, ref, batch, lm_head)  # its own outputs, same blocks
+    diff, fields = max(diff, own_diff), fields and same
     ok = diff <= 1e-4 * max(1.0, scale) and fields
     return {"ok": ok, "max_abs_logit_diff": diff, "max_abs_logit": scale, "config_round_trip": fields,
             "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
-
-
-def _dspark_heads_diff(exported, ref, batch, lm_head) -> tuple[float, bool]:
-    """(max |difference| of the Markov-biased logits and the confidence logits after random predecessors,
-    whether the served walks propose the same tokens) of two DSpark drafters on `batch`."""
-    B = ref.config.block_size
-    ha, hb = exported(*batch)[:, 1:B], ref(*batch)[:, 1:B]
-    prev = torch.randint(0, ref.config.vocab_size, ha.shape[:2], generator=torch.Generator().manual_seed(2))
-    diff = float((exported.head_logits(ha, lm_head, prev) - ref.head_logits(hb, lm_head, prev)).abs().max())
-    ca, cb = exported.confidence(ha, prev), ref.confidence(hb, prev)
-    if (ca is None) != (cb is None):
-        return diff, False
-    if ca is not None:
-        diff = max(diff, float((ca - cb).abs().max()))
-    anchor = torch.zeros(1, dtype=torch.long)
-    return diff, bool((exported.propose(ha, lm_head, anchor) == ref.propose(hb, lm_head, anchor)).all())
 
 
 def _lm_head_of(train_config: dict):

@@ -130,8 +130,8 @@ def online_eval(target, drafter, prompts: list[list[int]], *, max_new_tokens: in
 
     With exact arithmetic the two outputs are identical; a mismatch means a bug (or, in bf16, a near-tie
     that one-token and block forwards round differently: `logit_margin` tells which).  `propose` is a
-    test hook (see speculative_generate).  `confidence_threshold`: a DSpark drafter is also decoded with
-    its confidence head choosing the verified prefix, reported under "confidence" (docs/DESIGN.md §12).
+    test hook (see speculative_generate).  `confidence_threshold`: a drafter with a confidence head is also
+    decoded with the head choosing the verified prefix, reported under "confidence" (docs/DESIGN.md §12).
     `reference` keeps the target-only outputs across evals (dflash.evaluate.reference)."""
     refs = reference.load() if reference is not None else None
     bar = tqdm(total=len(prompts), desc="speculative decoding", unit="prompt", disable=not progress)

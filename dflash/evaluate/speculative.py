@@ -132,16 +132,11 @@ def greedy_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos_i
 @torch.inference_mode()
 def _draft(drafter, hidden: torch.Tensor, head_weight: torch.Tensor, anchor: torch.Tensor,
            confidence_threshold: float | None) -> tuple[torch.Tensor, int]:
-    """The block's B-1 proposals (lm_head's argmax, DFlash2's candidate selector's or DSpark's Markov walk,
-    as served) and how many of them the target verifies: all, or as many as DSpark's confidence head keeps."""
-    from dflash.drafter.dspark import verify_capacity
+    """The block's B-1 proposals, as the drafter's family serves them (lm_head's argmax or its own walk),
+    and how many of them the target verifies: all, or as many as a confidence head keeps."""
+    from dflash.drafter import family_of
 
-    B = drafter.config.block_size
-    if confidence_threshold is not None and drafter.dspark_heads:
-        proposals, conf = drafter.propose_with_confidence(hidden, head_weight, anchor.view(1))
-        n_verify = int(verify_capacity(conf, confidence_threshold)[0]) if conf is not None else B - 1
-        return proposals[0], n_verify
-    return drafter.propose(hidden, head_weight, anchor.view(1))[0], B - 1
+    return family_of(drafter.config).draft(drafter, hidden, head_weight, anchor, confidence_threshold)
 
 
 def speculative_generate(
@@ -156,9 +151,9 @@ def speculative_generate(
     """Greedy speculative decoding: the drafter proposes B-1 tokens per step, the target keeps a prefix.
 
     `drafter` is a `DFlashDrafter` on the target's device and dtype; it uses the target's own input
-    embedding and lm_head (docs/DESIGN.md §2).  With `confidence_threshold` a DSpark drafter's confidence
-    head picks how many of its drafts the target verifies, as vLLM's `dspark_confidence_threshold` does
-    (dflash.drafter.dspark.verify_capacity); the rest are dropped unverified (docs/DESIGN.md §12).
+    embedding and lm_head (docs/DESIGN.md §2).  With `confidence_threshold` a drafter with a confidence
+    head lets it pick how many of its drafts the target verifies (DrafterFamily.draft); the rest are
+    dropped unverified (docs/DESIGN.md §12).
     """
     from dflash.evaluate.target_cache import TargetCache
 

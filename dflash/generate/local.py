@@ -211,8 +211,8 @@ STATIC_CACHE_ROWS = 1000  # ~100K tokens repay ~70 s of compiling at the real 13
 
 
 def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str | None:
-    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs
-    decoded a 135M target 7.4x faster (docs/BENCHMARKS.md, session 34)."""
+    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs decode a
+    small target several times faster (the generate benchmark report under docs/ measures it)."""
     if static_cache != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
         return None
     return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "

@@ -280,11 +280,10 @@ def compare_manifest(manifest: dict, identity: dict, tok_hash: str, target_layer
 
 
 def require_final_hidden(manifest: dict, path) -> None:
-    """Refuse a store without the target's last hidden state (what DSpark trains on), before a run starts."""
+    """Refuse to read final hidden states from a store made without them."""
     if manifest.get("final_hidden") is not True:
         raise StoreError(
-            f"the store {path} has no final hidden states; DSpark needs them (it recomputes the target's full "
-            "next-token distribution from the last layer's output): recapture with `dflash precompute "
-            "--final-hidden` (into a new --out, or with --overwrite), or train this store with --arch dflash "
-            "or dflash2."
+            f"the store {path} has no final hidden states (the target's last hidden state, which only "
+            "`dflash precompute --final-hidden` stores): recapture with `dflash precompute --final-hidden` "
+            "(into a new --out, or with --overwrite), or read it without them."
         )

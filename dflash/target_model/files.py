@@ -222,8 +222,8 @@ NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "norm.weig
 
 
 def load_final_norm(target_dir: str | Path) -> torch.Tensor:
-    """The target's final norm weight [H], read alone from safetensors (DSpark recomputes the target's
-    distribution from the pre-norm last hidden state)."""
+    """The target's final norm weight [H], read alone from safetensors (a drafter family that recomputes
+    the target's distribution from the pre-norm last hidden state needs it)."""
     from safetensors import safe_open
 
     p = _target_dir(target_dir)
@@ -233,7 +233,8 @@ def load_final_norm(target_dir: str | Path) -> torch.Tensor:
             with safe_open(str(p / weight_map[k]), framework="pt") as f:
                 return f.get_tensor(k)
     raise TargetError(f"target {p}: no final norm tensor ({' or '.join(NORM_KEYS)}) in its safetensors; "
-                      "--arch dspark --tv-source final_hidden needs it (or train with --tv-source topk).")
+                      "a drafter that recomputes the target's distribution from its last hidden state needs it "
+                      "(--tv-source final_hidden); train with --tv-source topk instead.")
 
 
 def engine_layer_problem(target_layer_ids: list[int], num_target_layers: int) -> str | None:

@@ -7,7 +7,7 @@ in a DataLoader worker (dflash.train.loader) and pickled to the training process
 shared memory, as the DataLoader sends any tensor.  Its small tensors (all but the context features) are
 views of one buffer, the batch's `arena`: one shared-memory handle crosses the process boundary, and one
 page-locking and one copy take them to the device, where each of ~20 tensors took its own (a handle
-costs the receiving process a socket round trip: docs/BENCHMARKS.md "CPU, session 28").
+costs the receiving process a socket round trip).
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class MicroBatch:
     topk_logprobs: torch.Tensor | None = None
     """[R, Q, K] float32: their log-probabilities (--kd), else None."""
     final_hidden: torch.Tensor | None = None
-    """[R, Q, H] bf16: the target's pre-norm last hidden state at each label's source position (--arch dspark
-    with tv_source final_hidden), else None."""
+    """[R, Q, H] bf16: the target's pre-norm last hidden state at each label's source position, when the
+    drafter family needs it (StoreNeeds.final_hidden), else None."""
     seq: int | None = None
     """Its position in the loader's order when the loader numbers batches (batch slots), else None."""
     slot: int | None = None

@@ -237,21 +237,18 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict, di
     return model_state, drafter_config, train_state, train_config
 
 
-_ARCH_NAMES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2", "Qwen3DSparkModel": "dspark"}
-_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2
-          "markov_rank", "enable_confidence_head", "confidence_head_with_markov")  # DSpark
-
-
 def arch_change(checkpoint: Path, saved: dict, now: dict) -> str | None:
     """Why a run cannot resume `checkpoint` when its drafter config `saved` and this run's `now` (both
-    to_hf_dict form) differ in architecture or in the variant's own shape; None when they do not."""
+    to_hf_dict form) differ in family or in the family's own shape; None when they do not."""
+    from dflash.drafter import family_of_hf
+
     def arch(d):
-        names = d.get("architectures") or ["DFlashDraftModel"]
-        return _ARCH_NAMES.get(names[0], names[0])
+        f = family_of_hf(d)
+        return f.name if f is not None else (d.get("architectures") or ["?"])[0]
 
     def knobs(d):
-        dc = d.get("dflash_config") or {}
-        return {k: dc[k] for k in _KNOBS if k in dc}
+        dc, f = d.get("dflash_config") or {}, family_of_hf(d)
+        return {k: dc[k] for k in (f.knobs if f is not None else ()) if k in dc}
 
     if arch(saved) != arch(now):
         return (f"checkpoint {checkpoint} holds a {arch(saved)} drafter and this run asks for --arch {arch(now)}: "

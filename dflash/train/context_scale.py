@@ -76,7 +76,7 @@ def compute(store) -> dict:
 
 def checkpoint_mode(model_state: dict) -> str:
     """The --context-scale a checkpoint's model state was trained with: its buffer is the record."""
-    from dflash.drafter.dflash import CONTEXT_SCALE
+    from dflash.drafter.dflash.model import CONTEXT_SCALE
 
     return "rms" if any(k.split(".")[-1] == CONTEXT_SCALE for k in model_state) else "none"
 

@@ -9,7 +9,7 @@ reaches layer 33 of 36 for 5).  docs/DESIGN.md §2.
 
 Copied where the target has a tensor of the same name and shape: the q/k/v/o projections (and their
 biases), q_norm / k_norm, the SwiGLU MLP and the two layer norms.  `fc`, `hidden_norm`, the final
-`norm` and anything else without a counterpart (DFlash2's convolutions) keep the default N(0, 0.02) /
+`norm` and anything else without a counterpart (a family's own modules) keep the default N(0, 0.02) /
 unit init.  A target without q_norm / k_norm (Llama, Qwen2) leaves them at 1.  Anything else missing
 or of another shape (an MoE or linear-attention layer, a gated q_proj) is refused before training.
 

@@ -14,23 +14,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dflash.drafter import attention
+from dflash.drafter import attention, family_of
+from dflash.drafter.labels import block_acceptance
 from dflash.errors import StoreError
 from dflash.train import loader as L
-from dflash.train.loss import IGNORE, block_acceptance
-
-
-def _greedy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """argmax of the target lm_head, computed only where there is a label, a chunk at a time."""
-    flat = labels.reshape(-1)
-    sel = (flat != IGNORE).nonzero().squeeze(1)
-    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, sel)
-    preds = torch.full_like(flat, -1)
-    out = torch.empty(len(sel), dtype=torch.long, device=hidden.device)
-    for i in range(0, len(sel), chunk):
-        out[i : i + chunk] = (h[i : i + chunk].to(lm_head.dtype) @ lm_head.t()).argmax(-1)
-    preds[sel] = out
-    return preds.view_as(labels)
 
 
 def summarize(taus: np.ndarray, block_size: int, correct: np.ndarray | None = None,
@@ -67,19 +54,9 @@ def check_store(store, cfg) -> None:
 
 def predictions(drafter, hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
                 block_input_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[R, Q] the drafter's proposals where there is a label (-1 elsewhere), as its family serves them.
-    Earlier positions are teacher-forced where the family conditions on them; up to a block's first miss
-    they equal the served walk's, so the acceptance length they give is the served one."""
-    if drafter.selects_candidates:  # DFlash2: the selector's proposals (§11)
-        from dflash.train.objectives import selector_predictions
-
-        return selector_predictions(drafter, hidden, lm_head, labels, block_input_ids, block_size)
-    if drafter.dspark_heads:  # DSpark: lm_head + the Markov bias of the true previous token (§12)
-        from dflash.train.dspark_loss import dspark_predictions
-        from dflash.train.objectives import previous_tokens
-
-        return dspark_predictions(drafter, hidden, lm_head, labels, previous_tokens(labels, block_input_ids, block_size))
-    return _greedy(hidden, lm_head, labels)
+    """[R, Q] the drafter's proposals where there is a label (-1 elsewhere), as its family serves them
+    (DrafterFamily.predictions: up to a block's first miss, the served walk's)."""
+    return family_of(drafter.config).predictions(drafter, hidden, lm_head, labels, block_input_ids, block_size)
 
 
 @torch.no_grad()

@@ -192,7 +192,7 @@ class PackedDataset(torch.utils.data.Dataset):
             src = torch.from_numpy(np.maximum(blocks["source"], 0))
             out["topk_ids"] = d["topk_ids"][:T][src]
             out["topk_logprobs"] = d["topk_logprobs"][:T][src]
-        if spec.final_hidden:  # DSpark's TV term: the target's state where it predicted each label
+        if spec.final_hidden:  # the family's target distribution: the target's state where it predicted each label
             out["final_hidden"] = d["final_hidden"][:T][torch.from_numpy(np.maximum(blocks["source"], 0))]
         return out
 

@@ -2,9 +2,9 @@
 
 A block stream of 4096 queries against a 152k vocabulary is 2.5 GB of fp32 logits, twice over for the
 softmax.  `head_pass` never holds more than `chunk` rows of logits: chunk by chunk, it computes each
-labelled row's cross-entropy (and KD term), its greedy prediction, the top-K candidates a DFlash2 selector
-needs, and the gradient of the row's terms with respect to the drafter's output (the lm_head is frozen, so
-that is the only gradient needed), and keeps only the last, `[N, H]`, for backward.  The loss is a
+labelled row's cross-entropy (and KD term), its greedy prediction, the top-K candidates a candidate
+selector needs, and the gradient of the row's terms with respect to the drafter's output (the lm_head is
+frozen, so that is the only gradient needed), and keeps only the last, `[N, H]`, for backward.  The loss is a
 weighted sum of per-row terms, so the weights can be chosen after the pass (D-PACE's come from the rows'
 own cross-entropy) and backward scales each stored row gradient by its weight and the incoming scalar:
 one lm_head pass a step whatever the objective.
@@ -20,12 +20,12 @@ that support, scaled by T^2 as usual for distillation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from dflash.drafter.labels import IGNORE, HeadPass, LossOutput, block_acceptance, block_stats
+
 _GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -41,34 +41,6 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     w = torch.exp(-(k - 1) / g)
     w[0] = 0.0
     return w
-
-
-@dataclass
-class LossOutput:
-    loss: torch.Tensor  # scalar with grad: (sum w*ce + kd_weight * sum w*kd) / denom
-    ce_sum: torch.Tensor  # sum over valid labels of w * ce (no grad, fp32)
-    kd_sum: torch.Tensor  # sum over valid labels of w * kd (no grad, fp32; 0 when KD is off)
-    weight_sum: torch.Tensor  # sum of w over valid labels
-    correct: torch.Tensor  # [B] int64: correct greedy predictions per block position
-    valid: torch.Tensor  # [B] int64: valid labels per block position
-    tau_sum: torch.Tensor  # sum over blocks of acceptance length (1 + leading correct predictions)
-    num_blocks: torch.Tensor  # blocks with a label at position 1 (every real block)
-    tv_sum: torch.Tensor | None = None  # --arch dspark (dflash.train.dspark_loss): sum of w * sum|q - p|
-    conf_sum: torch.Tensor | None = None  # --arch dspark: sum of w * the confidence head's BCE
-    row_weight: torch.Tensor | None = None  # [N] the weight of each labelled row (label_index order)
-    head: HeadPass | None = None  # the lm_head pass (its top-K candidates feed a DFlash2 selector)
-
-
-@dataclass
-class HeadPass:
-    """One chunked pass of the frozen lm_head over the N labelled rows, before any weighting."""
-
-    ce: torch.Tensor  # [N] fp32 cross-entropy of each row
-    kd: torch.Tensor | None  # [N] fp32 T^2 KL(p_target || q) on the stored top-k (KD on), else None
-    preds: torch.Tensor  # [N] int64 greedy predictions
-    grad: torch.Tensor  # [N, H] d (ce + kd_weight * kd) / d hidden of each row, in hidden's dtype
-    top_ids: torch.Tensor | None  # [N, K] int64: the K best candidates, best first (top_k > 0)
-    top_logits: torch.Tensor | None  # [N, K] their logits, in the head's dtype (as the engines take them)
 
 
 def chunk_terms(logits, labels, weights, topk_ids, topk_p, kd_weight: float, temperature: float):
@@ -232,39 +204,6 @@ class _WeightedRows(torch.autograd.Function):
         return (row_grad * (w * grad_total)[:, None]).to(row_grad.dtype), None, None, None
 
 
-def _blocks(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
-    """Blocks as rows: (acceptance length [n], right [n, B], valid [n, B], real [n]).
-
-    preds, labels: [R, Q] with blocks laid out back to back from position 0 of each row (padding at
-    the end, labels IGNORE).  A block's acceptance length is 1 + the number of leading positions
-    k = 1.. whose prediction is right; an ignored label ends the run, as the sample ends there.  A block
-    is real when position 1 has a label (anchors guarantee it; padding blocks have none).
-    """
-    R, Q = labels.shape
-    nb = Q // block_size
-    y = labels[:, : nb * block_size].reshape(R * nb, block_size)
-    p = preds[:, : nb * block_size].reshape(R * nb, block_size)
-    valid = y != IGNORE
-    right = (p == y) & valid
-    real = valid[:, 1] if block_size > 1 else valid.any(1)
-    accepted = right[:, 1:].long().cumprod(dim=1).sum(dim=1) + 1
-    return accepted, right, valid, real
-
-
-def block_stats(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
-    """Per-position (correct, valid) counts, summed acceptance length and number of real blocks.
-
-    Sync-free (no boolean indexing), for the training step."""
-    accepted, right, valid, real = _blocks(preds, labels, block_size)
-    return right.sum(0), valid.sum(0), (accepted * real).sum(), real.sum()
-
-
-def block_acceptance(preds: torch.Tensor, labels: torch.Tensor, block_size: int):
-    """Per real block: (acceptance length [n] in 1..B, right [n, B], valid [n, B]), for histograms."""
-    accepted, right, valid, real = _blocks(preds, labels, block_size)
-    return accepted[real], right[real], valid[real]
-
-
 def block_loss(
     hidden: torch.Tensor,
     lm_head: torch.Tensor,
@@ -292,7 +231,7 @@ def block_loss(
     device-to-host sync.  `kernel` (KERNELS) computes each chunk's softmax / gradient; "triton" needs
     what `triton_runs` says (chunk_kernel picks a run's).  `reweight`, given each labelled row's
     cross-entropy [N] from the pass, returns the rows' weights instead of loss_weight's (D-PACE); `top_k`
-    keeps each row's K best candidates in the output's `head` (a DFlash2 selector's).
+    keeps each row's K best candidates in the output's `head` (a family's candidate selector reads them).
     """
     R, Q, H = hidden.shape
     flat_labels = labels.reshape(-1)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import TrainConfig
+from dflash.drafter import family
 from dflash.jsonl import jsonl_lines
 from dflash.train.batch_slots import default_num_slots
 from dflash.train.loader import PREFETCH_FACTOR, batch_bytes, target_agreement
@@ -40,25 +41,19 @@ def peak_mem_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def _loss_sum(s, cfg: TrainConfig) -> float:
-    """The step's weighted loss sum, the objective's mix of its terms (docs/DESIGN.md §3, §12)."""
-    if cfg.drafter.arch == "dspark":
-        return cfg.dspark.dspark_ce_weight * s.ce_sum + cfg.dspark.dspark_tv_weight * s.tv_sum + cfg.dspark.dspark_confidence_weight * s.conf_sum
-    return s.ce_sum + cfg.objective.kd_weight * s.kd_sum
-
-
 def step_record(p, s, device_dt: float | None, cfg: TrainConfig, device: torch.device, compiles: int) -> dict:
     """A step's metrics record from its PendingStep `p` and StepStats `s` (dflash.train.tracker)."""
     wsum = max(s.weight_sum, 1e-12)
+    fam = family(cfg.drafter.arch)  # the objective's mix of its terms (docs/DESIGN.md §3)
     dt = device_dt or p.dt  # rates: the device's timeline when known (GPU), else the host's
     return {
         "step": p.step,
         "epoch": p.epoch,
         "epoch_samples": p.epoch_samples,
-        "loss": _loss_sum(s, cfg) / wsum,
+        "loss": fam.loss_sum(s, cfg) / wsum,
         "ce": s.ce_sum / wsum,
         "kd": s.kd_sum / wsum,
-        **({"tv": s.tv_sum / wsum, "confidence_bce": s.conf_sum / wsum} if cfg.drafter.arch == "dspark" else {}),
+        **fam.metrics(s, wsum),
         "acc": [c / v if v else None for c, v in zip(s.correct, s.valid)][1:],
         "tau": s.tau_sum / max(s.num_blocks, 1),
         "lr": p.lr,
@@ -122,8 +117,8 @@ class RunLogger:
                   if isinstance(v, (int, float)) and k != "step"]
         values += [Summary.Value(tag=f"acc/pos{k:02d}", simple_value=float(a)) for k, a in enumerate(rec["acc"], start=1)
                    if a is not None]
-        # Every scalar of the step in one event: an add_scalar each (~38 at block 16) cost the training
-        # thread 1.4 ms a step on the CPU, this 0.2 ms (docs/BENCHMARKS.md "CPU, session 28").
+        # Every scalar of the step in one event: an add_scalar each (~38 at block 16) costs the training
+        # thread several times the host time of one event a step.
         self.tb.file_writer.add_summary(Summary(value=values), rec["step"])
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}",
                              tok_s=f"{rec['ctx_tokens_per_s']:.0f}", refresh=False)

@@ -41,7 +41,7 @@ class LoaderSpec:
     skip_damaged: bool = False  # a sample failing its checksums is left out of its batch and counted
     balance_group: int = 1  # micro-batches per step to balance (processes x accumulation); 1 = random order
     sliding_window: int | None = None  # the drafter has sliding-window layers: their masks too (masks.py)
-    final_hidden: bool = False  # --arch dspark: the target's final hidden state at each label's source position
+    final_hidden: bool = False  # the target's final hidden state at each label's source position (StoreNeeds)
 
     @property
     def s_shapes(self) -> list[int]:

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from dflash.config import TrainConfig
+from dflash.drafter import family
 from dflash.errors import ConfigError, DFlashError, StoreError
 from dflash.jsonl import jsonl_lines
 from dflash.paths import portable
@@ -223,23 +224,18 @@ def _layer_types(cfg: TrainConfig, target_cfg=None) -> tuple[list[str] | None, i
     return types, window, source
 
 
-def _check_dspark_store(cfg: TrainConfig, store) -> None:
-    """--arch dspark needs the target's distribution: the final hidden state, or the top-k (docs/DESIGN.md §12)."""
-    if cfg.drafter.arch != "dspark":
-        return
-    if cfg.objective.kd_weight > 0:
-        raise ConfigError(f"--kd-weight {cfg.objective.kd_weight} with --arch dspark: DSpark's own distance to the target "
-                          "distribution replaces KD (--dspark-tv-weight); train with --kd-weight 0.")
-    if cfg.dspark.tv_source == "topk" and not store.topk:
-        raise ConfigError(f"--arch dspark --tv-source topk needs the stored top-k target log-probs, but store "
-                          f"{cfg.job.store} was made with --topk 0; precompute with --topk K, or use --tv-source "
-                          "final_hidden on a store made with --final-hidden.")
-    if cfg.dspark.tv_source == "final_hidden" and store.manifest.get("final_hidden") is not True:
-        raise StoreError(f"--arch dspark needs the target's full next-token distribution, which it recomputes "
-                         f"from the target's last hidden state, but store {cfg.job.store} holds no final hidden states: "
-                         "recapture it with `dflash precompute --final-hidden` (into a new --out, or with "
-                         "--overwrite), or train against the stored top-k only with --tv-source topk (a cheaper, "
-                         "truncated target distribution).")
+def _drafter_config(dcfg, cfg: TrainConfig):
+    """The drafter config of the run's family (--arch and its option section) from the DFlash one derived
+    from the target; a ConfigError for a choice that cannot train."""
+    fam = family(cfg.drafter.arch)  # a name of the registry: TrainConfig checked its choices
+    if fam.heads_outside_forward and cfg.systems.parallel == "fsdp":
+        raise ConfigError(f"--arch {fam.name} trains its heads outside the drafter's forward, which FSDP2 does "
+                          "not unshard; use --parallel ddp (the heads are small beside the layers).")
+    try:
+        return fam.config_for(dcfg, fam.section(cfg))
+    except ValueError as e:
+        raise ConfigError(f"--arch {fam.name} cannot be built on this target: {e}; change the {fam.name} option "
+                          f"({', '.join('--' + k.replace('_', '-') for k in fam.knobs)}).") from None
 
 
 def _checked_store(cfg: TrainConfig, identity: dict):
@@ -260,7 +256,7 @@ def _checked_store(cfg: TrainConfig, identity: dict):
         raise ConfigError(f"--labels {cfg.data.labels} trains on the target's greedy tokens, its stored top-1, but store "
                           f"{cfg.job.store} was made with --topk 0; precompute with --topk K (8 is the default) or "
                           "train with --labels data.")
-    _check_dspark_store(cfg, store)
+    family(cfg.drafter.arch).check(cfg, store)  # what the drafter family needs of the store
     if cfg.monitor.eval_every:
         if not cfg.monitor.eval_store:
             raise ConfigError("--eval-every needs --eval-store, a held-out store precomputed from the same target.")
@@ -294,9 +290,7 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
     types, window, types_source = _layer_types(cfg, tcfg)
     dcfg = DrafterConfig.from_target(tcfg, cfg.drafter.num_layers, cfg.drafter.block_size, list(store.target_layer_ids), mask_id,
                                      types, window)
-    from dflash.train.objectives import drafter_config_for
-
-    dcfg = drafter_config_for(dcfg, cfg)  # --arch dflash2: a DFlash2Config (docs/DESIGN.md §11)
+    dcfg = _drafter_config(dcfg, cfg)
     problem = engine_layer_problem(dcfg.target_layer_ids, dcfg.num_target_layers)
     if problem:  # it would train, but vLLM / SGLang could not serve the export (docs/DESIGN.md §2)
         raise ConfigError(f"store {cfg.job.store} cannot train a drafter the engines can serve: {problem}")
@@ -313,6 +307,8 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         from dflash.train import context_scale
 
         scale = context_scale.compute(store)
+    fam = family(cfg.drafter.arch)
+    needs = fam.needs(fam.section(cfg))  # what the family reads beyond features and labels
     spec = LoaderSpec(
         block_size=cfg.drafter.block_size,
         num_anchors=cfg.data.num_anchors,
@@ -323,10 +319,10 @@ def preflight(cfg: TrainConfig) -> ResolvedRun:
         gamma=cfg.objective.gamma,
         seed=cfg.job.seed,
         num_shapes=cfg.data.num_shapes,
-        kd=cfg.objective.kd_weight > 0 or (cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "topk"),
+        kd=cfg.objective.kd_weight > 0 or needs.topk,
         target_labels=cfg.data.labels in ("target", "rollout"),
         rollout_labels=cfg.data.labels == "rollout",
-        final_hidden=cfg.drafter.arch == "dspark" and cfg.dspark.tv_source == "final_hidden",
+        final_hidden=needs.final_hidden,
         skip_damaged=cfg.data.skip_damaged,
         sliding_window=dcfg.sliding_window if dcfg.has_sliding else None,
     )

@@ -25,7 +25,7 @@ from dflash.train.plan import LoaderSpec
 @dataclass(frozen=True)
 class ResolvedRun:
     cfg: TrainConfig  # with mask_token_id set to the resolved one
-    drafter_config: object  # dflash.drafter.DrafterConfig (or DFlash2Config)
+    drafter_config: object  # dflash.drafter.DrafterConfig (of the run's family)
     spec: LoaderSpec
     mask_token_id: int
     mask_token_source: str  # the token's text and the rule that chose it
@@ -49,9 +49,12 @@ class ResolvedRun:
         return embed.requires_grad_(False), head.requires_grad_(False)
 
     def final_norm(self, device: torch.device) -> torch.Tensor | None:
-        """The target's frozen final norm weight for DSpark's target distribution (--arch dspark with
-        tv_source final_hidden), in the lm_head's dtype on `device`; None for every other run."""
-        if self.cfg.drafter.arch != "dspark" or self.cfg.dspark.tv_source != "final_hidden":
+        """The target's frozen final norm weight, in the lm_head's dtype on `device`, for a drafter family
+        that needs it (StoreNeeds.final_norm: to recompute the target's distribution); None otherwise."""
+        from dflash.drafter import family
+
+        fam = family(self.cfg.drafter.arch)
+        if not fam.needs(fam.section(self.cfg)).final_norm:
             return None
         from dflash.target_model.files import load_final_norm
 

@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import TrainConfig
-from dflash.drafter import attention
+from dflash.drafter import attention, family_of
+from dflash.drafter.family import LossInputs
+from dflash.drafter.labels import labelled
+from dflash.train import objectives as obj
 from dflash.train import parallel
 from dflash.train.batch import MicroBatch
 from dflash.train.loss import block_loss, chunk_kernel
@@ -53,8 +56,8 @@ class StepStats:
     block_tokens: float
     samples: float
     damaged: float  # samples --skip-damaged left out (their checksums failed)
-    tv_sum: float  # --arch dspark: sum of w * sum|q - p|; else 0
-    conf_sum: float  # --arch dspark: sum of w * the confidence head's BCE; else 0
+    tv_sum: float  # a family's distance to the target (LossOutput.tv_sum); else 0
+    conf_sum: float  # a family's confidence term (LossOutput.conf_sum); else 0
     correct: list[float]  # per block position 0..B-1: greedy predictions equal to the label
     valid: list[float]  # per block position: labels
     grad_norm: float
@@ -70,11 +73,11 @@ class StepStats:
     def add(vec: torch.Tensor, out, counts: torch.Tensor) -> None:
         """Add one micro-batch's loss output and (ctx tokens, block tokens, samples, damaged) counts, in place."""
         zero = out.ce_sum.new_zeros((), dtype=torch.float64)
-        dspark = [zero if t is None else t.double() for t in (out.tv_sum, out.conf_sum)]
+        own = [zero if t is None else t.double() for t in (out.tv_sum, out.conf_sum)]
         vec += torch.cat([
             torch.stack([out.ce_sum.double(), out.kd_sum.double(), out.weight_sum.double(),
                          out.tau_sum.double(), out.num_blocks.double()]),
-            counts, torch.stack(dspark), out.correct.double(), out.valid.double()])
+            counts, torch.stack(own), out.correct.double(), out.valid.double()])
 
     @classmethod
     def from_vector(cls, v: list[float], block_size: int) -> StepStats:
@@ -105,7 +108,7 @@ def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: i
     torch.manual_seed(cfg.job.seed)  # same init on every rank (DDP would broadcast it anyway)
     # --context-scale rms: the buffer starts at ones; the trainer sets it (a fresh run) or loads it (resume).
     raw = build_drafter(drafter_config, flex_kernel_options,
-                        context_scale=cfg.drafter.context_scale == "rms").to(device)  # any variant
+                        context_scale=cfg.drafter.context_scale == "rms").to(device)  # any family
     ddp = parallel.wrap(raw, cfg.systems.parallel, device, world)
     if compiled(cfg, device):
         # Compiled in place (state_dict keys unchanged), in this main thread, once; each (S, Q) shape pair
@@ -153,7 +156,8 @@ class TrainStep:
         self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes, flex_kernel_options)
         self.optimizer = make_optimizer(self.raw, cfg, device)
         self.embed, self.head = embed, head
-        self.final_norm = final_norm  # the target's final norm weight: DSpark's target distribution (§12)
+        self.family = family_of(drafter_config)
+        self.final_norm = final_norm  # the target's final norm weight, for a family that needs it (StoreNeeds)
         self.compiled = compiled(cfg, device)
         _ = self.loss_kernel  # an unknown --loss-kernel fails here, at build, not at the first step
         self.fsdp = world > 1 and cfg.systems.parallel == "fsdp"
@@ -230,41 +234,27 @@ class TrainStep:
         return out
 
     def loss(self, m: MicroBatch, hidden: torch.Tensor, denom):
-        """block_loss with the run's objective: the loader's decay weights or D-PACE's (--loss), plus the
-        selector's term for a DFlash2 drafter (dflash.train.objectives, docs/DESIGN.md §11)."""
-        from dflash.train import objectives as obj
-
+        """The drafter family's loss (dflash.drafter.family): DFlash's is block_loss with the run's objective,
+        the loader's decay weights or D-PACE's (--loss, dflash.train.objectives); a family adds its own terms."""
         cfg, labels, weight = self.cfg, m.labels, m.loss_weight
-        if self.raw.dspark_heads:
-            return self.dspark_loss(m, hidden, denom)
-        dflash2 = self.raw.selects_candidates
-        sel = obj.labelled(labels, m.label_index)
         B, alpha = cfg.drafter.block_size, cfg.objective.dpace_alpha
-        reweight = ((lambda ce: obj.dpace_loss_weight(ce, labels, weight, sel, B, alpha).reshape(-1).index_select(0, sel))
-                    if cfg.objective.loss == "dpace" else None)
-        out = block_loss(hidden, self.head, labels, weight, block_size=B, denom=denom,
-                         topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, kd_weight=cfg.objective.kd_weight,
-                         kd_temperature=cfg.objective.kd_temperature, chunk=cfg.objective.lm_head_chunk,
-                         label_index=sel, kernel=self.loss_kernel, reweight=reweight,
-                         top_k=self.raw.config.selector_top_k if dflash2 else 0)
-        if dflash2:
-            out = obj.add_selector_term(out, self.raw, hidden, labels, m.block_input_ids, sel, block_size=B,
-                                        denom=denom, weight=cfg.dflash2.selector_loss_weight)
-        return out
 
-    def dspark_loss(self, m: MicroBatch, hidden: torch.Tensor, denom):
-        """DSpark's CE + L1-to-target + confidence BCE (dflash.train.dspark_loss, docs/DESIGN.md §12)."""
-        from dflash.train.dspark_loss import dspark_block_loss
-        from dflash.train.objectives import previous_tokens
+        def decayed(top_k: int):
+            sel = labelled(labels, m.label_index)
+            reweight = None
+            if cfg.objective.loss == "dpace":
+                def reweight(ce):
+                    return obj.dpace_loss_weight(ce, labels, weight, sel, B, alpha).reshape(-1).index_select(0, sel)
+            return block_loss(hidden, self.head, labels, weight, block_size=B, denom=denom, topk_ids=m.topk_ids,
+                              topk_logprobs=m.topk_logprobs, kd_weight=cfg.objective.kd_weight,
+                              kd_temperature=cfg.objective.kd_temperature, chunk=cfg.objective.lm_head_chunk,
+                              label_index=sel, kernel=self.loss_kernel, reweight=reweight, top_k=top_k)
 
-        cfg = self.cfg
-        prev = previous_tokens(m.labels, m.block_input_ids, cfg.drafter.block_size)
-        return dspark_block_loss(self.raw, hidden, self.head, m.labels, m.loss_weight, prev,
-                                 block_size=cfg.drafter.block_size, denom=denom, ce_weight=cfg.dspark.dspark_ce_weight,
-                                 tv_weight=cfg.dspark.dspark_tv_weight, confidence_weight=cfg.dspark.dspark_confidence_weight,
-                                 tv_source=cfg.dspark.tv_source, final_hidden=m.final_hidden, norm_weight=self.final_norm,
-                                 eps=self.raw.config.rms_norm_eps, topk_ids=m.topk_ids,
-                                 topk_logprobs=m.topk_logprobs, chunk=cfg.objective.lm_head_chunk, label_index=m.label_index)
+        return self.family.loss(LossInputs(
+            drafter=self.raw, hidden=hidden, lm_head=self.head, labels=labels, loss_weight=weight,
+            block_input_ids=m.block_input_ids, label_index=m.label_index, block_size=B, denom=denom,
+            chunk=cfg.objective.lm_head_chunk, options=self.family.section(cfg), block_loss=decayed,
+            topk_ids=m.topk_ids, topk_logprobs=m.topk_logprobs, final_hidden=m.final_hidden, final_norm=self.final_norm))
 
     @property
     def loss_kernel(self) -> str:

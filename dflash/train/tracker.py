@@ -1,23 +1,22 @@
 """A run's step bookkeeping: step times, recompiles, and each step's metrics record, read one step late.
 
-The Trainer (dflash.train.trainer) opens a `StepTracker` for its loop; `begin` and `end` bracket each
-step and `flush` writes the previous one's record, so that the only host sync of a step waits for a step
-the GPU has already finished.
+The training loop opens a `StepTracker` with what it reads: the step's host clock, the data-wait and GC
+timers, the run's config and device.  `begin` and `end` bracket each step (`end` is handed the step's
+statistics and position) and `flush` writes the previous one's record, so that the only host sync of a
+step waits for a step the GPU has already finished.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from dflash.config import TrainConfig
 from dflash.train.metrics import RunLogger, step_record
 from dflash.train.step import HOST_PHASES, StepStats, compile_count
-
-if TYPE_CHECKING:
-    from dflash.train.trainer import Trainer
 
 
 @dataclasses.dataclass
@@ -41,37 +40,44 @@ class PendingStep:
 class StepTracker:
     """Step timing, recompiles and the deferred metrics records (PendingStep) of a run."""
 
-    def __init__(self, trainer: Trainer, logger: RunLogger | None, total: int, since: float | None = None):
-        self.t, self.logger, self.total = trainer, logger, total
+    def __init__(self, cfg: TrainConfig, device: torch.device, logger: RunLogger | None, total: int, *, host: dict,
+                 data_wait_s: Callable[[], float], gc_s: Callable[[], float], since: float | None = None):
+        """host: the step's seconds per HOST_PHASES entry, summed over steps (TrainStep.host; `flush` adds
+        its sync wait there); data_wait_s / gc_s: the seconds waited for data and spent in GC so far."""
+        self.cfg, self.device, self.logger, self.total = cfg, device, logger, total
+        self.host, self.data_wait_s, self.gc_s = host, data_wait_s, gc_s
         self.compiles0, self.recompiles = compile_count(), 0
         self.t_last = since or time.perf_counter()
         self.first_wait0: float | None = 0.0 if since else None
-        self.host_last = dict(trainer.step_fn.host)
+        self.host_last = dict(host)
         self.tokens, self.seconds = 0, 0.0
         self.pending: PendingStep | None = None
         self.last_event = None
 
     def begin(self) -> None:
-        self.wait0, self.gc0 = self.t.data_wait_s(), self.t.step_gc.timer.total_s
+        self.wait0, self.gc0 = self.data_wait_s(), self.gc_s()
         if self.first_wait0 is not None:  # the first step: its data wait since the data was opened
             self.wait0, self.first_wait0 = self.first_wait0, None
 
-    def end(self, epoch: int, counts_recompiles: bool, compiles_before: int) -> None:
-        t, host = self.t, self.t.step_fn.host
+    def end(self, stats: torch.Tensor, step: int, epoch: int, epoch_samples: int, lr: float, *,
+            counts_recompiles: bool, compiles_before: int) -> None:
+        """The step just run: its StepStats vector (on the device), its number, epoch, the samples of the
+        epoch's plan and its learning rate."""
+        host = self.host
         if counts_recompiles:
             self.recompiles += compile_count() - compiles_before
         now = time.perf_counter()
         dt, self.t_last = now - self.t_last, now
         phases, self.host_last = {k: host[k] - self.host_last[k] for k in HOST_PHASES}, dict(host)
-        stats, event = t.stats, None
-        if t.device.type == "cuda":
-            stats = torch.empty(t.stats.shape, dtype=t.stats.dtype, pin_memory=True)
-            stats.copy_(t.stats, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            on_device, stats = stats, torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            stats.copy_(on_device, non_blocking=True)
             event = torch.cuda.Event(enable_timing=True)
             event.record()
         self.flush()  # the previous step: its sync wait falls in this step's host interval, counted there
-        self.pending = PendingStep(stats, event, t.step, epoch, t.epoch_samples(), t.lr, dt, t.data_wait_s() - self.wait0,
-                                   t.step_gc.timer.total_s - self.gc0, self.recompiles, phases)
+        self.pending = PendingStep(stats, event, step, epoch, epoch_samples, lr, dt, self.data_wait_s() - self.wait0,
+                                   self.gc_s() - self.gc0, self.recompiles, phases)
 
     def flush(self, extra: dict | None = None) -> None:
         """Log the pending step, if any (the only host sync of a step)."""
@@ -82,14 +88,14 @@ class StepTracker:
         if p.event is not None:
             t0 = time.perf_counter()
             p.event.synchronize()
-            self.t.step_fn.host["sync"] += time.perf_counter() - t0
+            self.host["sync"] += time.perf_counter() - t0
             # The step on the device's timeline, end of the previous step to end of this one: the host
             # runs ahead of the GPU by up to a step, so host intervals swing widely.
             if self.last_event is not None:
                 device_dt = self.last_event.elapsed_time(p.event) / 1e3
             self.last_event = p.event
-        stats = StepStats.from_vector(p.stats.tolist(), self.t.cfg.drafter.block_size)
-        rec = step_record(p, stats, device_dt, self.t.cfg, self.t.device, compile_count() - self.compiles0)
+        stats = StepStats.from_vector(p.stats.tolist(), self.cfg.drafter.block_size)
+        rec = step_record(p, stats, device_dt, self.cfg, self.device, compile_count() - self.compiles0)
         rec.update(extra or {})
         if p.step > 1 or self.total == 1:
             self.tokens, self.seconds = self.tokens + rec["ctx_tokens"], self.seconds + p.dt

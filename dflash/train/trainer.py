@@ -136,7 +136,7 @@ class Trainer:
     def _set_context_scale(self) -> None:
         """A fresh --context-scale rms run: the factors preflight measured (measured here, the same way on
         every rank, if preflight expected a checkpoint that is gone)."""
-        from dflash.drafter.dflash import CONTEXT_SCALE
+        from dflash.drafter.dflash.model import CONTEXT_SCALE
 
         found = self.run.context_scale
         if found is None:
@@ -148,8 +148,8 @@ class Trainer:
 
     def save(self) -> None:
         """One checkpoint: all ranks gather the state into host memory, rank 0 hands it to the writer thread
-        (the disk write overlaps the next steps; a 3-layer DFlash2 drafter of a 135M target is 449 MB), and
-        everyone goes on once the state is gathered."""
+        (the disk write overlaps the next steps: a checkpoint with its optimizer state is several times the
+        drafter's weights), and everyone goes on once the state is gathered."""
         state = self.state_dict()
         if self.rank == 0:
             state = ckpt.host_snapshot(state, self.device)
@@ -263,7 +263,8 @@ class Trainer:
         logger = (RunLogger(cfg, self.run, self.dataset.store, self.rank, self.world, self.step, total,
                             loss_kernel=loss_kernel_note(cfg.objective.loss_kernel, cfg.objective.kd_weight > 0, self.device))
                   if self.rank == 0 else None)
-        self.tracker = StepTracker(self, logger, total, since=opened)
+        self.tracker = StepTracker(cfg, self.device, logger, total, host=self.step_fn.host, data_wait_s=self.data_wait_s,
+                                   gc_s=lambda: step_gc.timer.total_s, since=opened)
         profiler = StepProfiler(cfg.job.out, self.rank, cfg.monitor.profile_start, cfg.monitor.profile_steps, self.device)
         steps_run = 0
         while self.step < total:
@@ -275,7 +276,8 @@ class Trainer:
             steps_run += 1
             step_gc.after_step(steps_run, warming_up=warm or self.new_shape)
             profiler.after_step(steps_run)
-            self.tracker.end(epoch, counts_recompiles=not (warm or self.new_shape), compiles_before=compiles_before)
+            self.tracker.end(self.stats, self.step, epoch, self.epoch_samples(), self.lr,
+                             counts_recompiles=not (warm or self.new_shape), compiles_before=compiles_before)
             evaluate = cfg.monitor.eval_every and (self.step % cfg.monitor.eval_every == 0 or self.step == total)
             save = (cfg.checkpoint.save_every and self.step % cfg.checkpoint.save_every == 0) or self.step == total
             if evaluate or save:

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dflash.drafter import attention
+from dflash.drafter.labels import _blocks
 from dflash.errors import StoreError
 from dflash.train import loader as L
 from dflash.train.heldout import check_store, predictions, summarize
-from dflash.train.loss import _blocks
 
 
 def reply_span(loss_mask: np.ndarray) -> tuple[int, int] | None:

@@ -110,7 +110,7 @@ def test_the_decode_step_compiles_once_for_the_batches_of_a_width():
 @pytest.mark.parametrize("static_cache", ["off", "on"])
 def test_batch_tokens_give_long_prompts_fewer_rows_and_the_same_replies(static_cache):
     # on a real target a 128-row static batch of 7,936-token prompts asked for a 15.5 GiB attention mask
-    # and ran out of memory (BENCHMARKS, session 35): the budget caps rows x (width + new tokens)
+    # and ran out of memory: the budget caps rows x (width + new tokens)
     texts = ["Hi.", "Yes?", "Red.", "Two?"] + [" ".join(["word"] * n) for n in (40, 45, 120, 130, 135)]
     reqs = [Request(i, [{"role": "user", "content": t}]) for i, t in enumerate(texts)]
     opts = dict(target=EMBEDDED, max_new_tokens=8, batch_size=4, static_cache=static_cache)
@@ -251,8 +251,8 @@ def test_turns_none_writes_the_rows_back_byte_for_byte_without_a_model(tmp_path,
 
 
 def test_in_process_rows_reach_the_journal_a_batch_at_a_time(tmp_path, long_target):
-    """A stopped or killed run keeps every finished batch: in session 19 a deadline stopped `dflash generate`
-    mid-window and 1,536 rows of finished batches (a window is 4 batches) were lost with it."""
+    """A stopped or killed run keeps every finished batch: a run once stopped mid-window (a window is 4
+    batches) lost 1,536 rows of finished batches with it."""
     from dflash.chat import load_rows
     from dflash.generate.drive import drive
     from dflash.generate.journal import Journal

@@ -15,8 +15,9 @@ from click.testing import CliRunner
 
 from dflash.chat import conversation_of, load_rows, render
 from dflash.cli import main
+from dflash.drafter.dspark.family import require_final_hidden
 from dflash.errors import DamagedSampleError, StoreError
-from dflash.store import open_store, require_final_hidden, verify_store
+from dflash.store import open_store, verify_store
 from dflash.store.parts import part_path
 from dflash.target_model.capture import Capture, load_target, load_tokenizer
 from helpers import build_store, make_conversations_jsonl, make_tiny_target

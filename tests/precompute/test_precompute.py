@@ -309,7 +309,7 @@ def test_rerun_with_other_inputs_is_refused(tmp_path, targets, monkeypatch):
 
 def test_a_store_of_other_weights_is_refused(tmp_path, targets, monkeypatch):
     """Same config and tokenizer, other weights, at the same path: the store is not taken as complete
-    (session 13's recipe call trained and decoded against two copies of a target that way)."""
+    (a recipe run once trained and decoded against two copies of a target that way)."""
     import shutil
 
     import transformers

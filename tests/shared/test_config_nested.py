@@ -4,6 +4,8 @@ wrong section named with the right one, Literal choices checked once, and every 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -116,13 +118,22 @@ def test_unquoted_yaml_on_and_off_read_as_the_choices_they_spell(tmp_path):
 
 
 def test_the_arch_choices_are_the_drafter_registry():
-    from dflash.drafter import ARCHS, VARIANTS
+    from dflash.drafter import ARCHS, FAMILIES
 
     arch = options_of(TrainConfig)["arch"]
     assert choices_of(arch.type) == ARCHS
-    for name, variant in VARIANTS.items():  # a variant's knobs are the fields of the section named after it
-        if variant.knobs:
-            assert set(variant.knobs) <= {f.name for f in dataclasses.fields(SECTION_TYPES[name])}, name
+    for name, family in FAMILIES.items():  # a family's knobs are the fields of the section named after it
+        if family.knobs:
+            assert set(family.knobs) <= {f.name for f in dataclasses.fields(SECTION_TYPES[name])}, name
+
+
+def test_the_command_line_and_its_config_load_without_torch():
+    # the config reads --arch's choices and the families' sections from the drafter registry: that must not
+    # pull in a model (the CLI's help would wait for torch)
+    code = ("import sys, dflash.cli, dflash.drafter; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_rules_of_a_section_and_across_sections():

@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
+from dflash.drafter.dflash2.loss import Prepass, selector_ce
+from dflash.drafter.labels import previous_tokens
 from dflash.train.loss import IGNORE
-from dflash.train.objectives import Prepass, dpace_loss_weight, dpace_weights, previous_tokens, selector_ce
+from dflash.train.objectives import dpace_loss_weight, dpace_weights
 
 
 def test_dpace_weights_by_hand():
@@ -168,8 +170,8 @@ def test_dflash2_selector_term_from_the_same_pass():
     """With top_k, the pass keeps the candidates a DFlash2 selector scores: the selector's term and its
     gradient equal those from a separate top-K pass over the full logits (head_prepass)."""
     from dflash.drafter import DrafterConfig, build_drafter, with_arch
+    from dflash.drafter.dflash2.loss import add_selector_term, head_prepass
     from dflash.train.loss import block_loss
-    from dflash.train.objectives import add_selector_term, head_prepass
 
     hidden, head, labels, decay, block_in, _, _, B = _blocks_batch(V=64)
     cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,

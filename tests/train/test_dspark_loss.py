@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash.drafter import DrafterConfig, build_drafter, with_arch
-from dflash.train.dspark_loss import dspark_block_loss, target_logprobs
+from dflash.drafter.dspark.loss import dspark_block_loss, target_logprobs
+from dflash.drafter.labels import previous_tokens
 from dflash.train.loss import IGNORE, position_weights
-from dflash.train.objectives import previous_tokens
 
 B, V, H = 4, 50, 16
 

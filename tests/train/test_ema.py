@@ -100,7 +100,7 @@ def test_decay_is_checked_and_off_by_default(tmp_path):
     import subprocess
     import sys
 
-    from dflash.config.fields import check_rules
+    from dflash.fields import check_rules
 
     assert TrainConfig().optim.ema_decay == 0.0
     check_rules(TrainConfig(ema_decay=0.999).optim.rules())

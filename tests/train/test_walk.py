@@ -3,7 +3,7 @@
 A drafter whose layers write nothing (o_proj and down_proj zero) proposes one fixed token `c` at every block
 position, whatever its context: its acceptance at each anchor is known from the reply's tokens alone.  With
 it the walk is checked against a plain loop over the store's tokens (anchors, stops, the reply it follows).
-Against the lossless online eval it is compared on the real target (docs/BENCHMARKS.md, session 24).
+Against the lossless online eval it is compared on the real target by the walk benchmark (bench/).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """A config field and its value: `opt` (the help text, written once), the `Literal` choices, and the
-coercion of a YAML or command-line value into the field's type.
+coercion of a YAML or command-line value into the field's type.  Every group of options is written with
+them: the commands' (dflash.config) and the drafter families' own sections (dflash.drafter.<family>).
 
 Choices are the field's type (`Literal["ddp", "fsdp"]`); `Options.__post_init__` checks them when any
 config is built, from params.yaml, flags or Python, and `coerce` checks them with the value's origin.

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dflash.train.loss import IGNORE, LossOutput, block_stats
+from dflash.drafter.labels import IGNORE, LossOutput, block_stats
 
 TV_SOURCES = ("final_hidden", "topk")
 

@@ -7,8 +7,8 @@ vLLM serves a `Qwen3DSparkModel` (docs/DESIGN.md §12).
 
 Block layout: DFlash's (`[anchor, MASK x (B-1)]`, positions 1..B-1 propose), which vLLM serves for a
 DSpark checkpoint that sets `dspark_bonus_anchor` (`num_speculative_tokens = block_size - 1`).  The
-backbone is `dflash.drafter.dflash`'s unchanged; a DSpark drafter built from a seed draws the backbone
-the DFlash drafter of that seed draws.
+backbone is `dflash.drafter.dflash.model`'s unchanged; a DSpark drafter built from a seed draws the
+backbone the DFlash drafter of that seed draws.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from dflash.drafter.config import INIT_STD, DrafterConfig
-from dflash.drafter.dflash import DFlashDrafter, drafter_logits, init_linears_and_norms
+from dflash.drafter.dflash.model import DFlashDrafter, drafter_logits, init_linears_and_norms
 
 ARCHITECTURE = "Qwen3DSparkModel"
 KNOBS = ("markov_rank", "enable_confidence_head", "confidence_head_with_markov")
-# config.json fields this variant writes (top level, where vLLM's Qwen3DSparkModel reads them, and in
+# config.json fields this family writes (top level, where vLLM's Qwen3DSparkModel reads them, and in
 # dflash_config, where SpecForge's DSparkDraftModel configs keep them); from_hf_dict reads either.
 _OWN = (*KNOBS, "markov_head_type", "dspark_bonus_anchor", "projector_type")
 
@@ -120,10 +120,7 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(DFlashDrafter):
-    arch = "dspark"
     config_cls = DSparkConfig
-    knobs = KNOBS
-    dspark_heads = True
 
     def __init__(self, cfg: DSparkConfig, flex_kernel_options: dict | None = None, context_scale: bool = False):
         if not isinstance(cfg, DSparkConfig):

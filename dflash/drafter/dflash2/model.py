@@ -11,9 +11,10 @@ selector, computed as vLLM and SGLang serve a `DFlash2DraftModel` (docs/DESIGN.m
                 proposals: a greedy walk, prev = the anchor, then the candidate chosen one position earlier
 
 The context keys/values are DFlash's (hidden_norm(fc(features)) through each layer's k/v projection, no
-convolution).  Everything else (masks, RoPE, frozen embedding and lm_head) is `dflash.drafter.dflash`'s.  A fresh
-DFlash2 drafter computes exactly what the DFlash drafter with the same weights computes: the convolutions
-start as the identity (base tap 0 = 1, kernel_projection = 0) and the successor codebook at 0.
+convolution).  Everything else (masks, RoPE, frozen embedding and lm_head) is
+`dflash.drafter.dflash.model`'s.  A fresh DFlash2 drafter computes exactly what the DFlash drafter with the
+same weights computes: the convolutions start as the identity (base tap 0 = 1, kernel_projection = 0) and
+the successor codebook at 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.drafter.config import INIT_STD, DrafterConfig
-from dflash.drafter.dflash import DecoderLayer, DFlashDrafter, drafter_logits, init_linears_and_norms
+from dflash.drafter.dflash.model import DecoderLayer, DFlashDrafter, drafter_logits, init_linears_and_norms
 
 ARCHITECTURE = "DFlash2DraftModel"
 # dflash_config fields every engine loader requires of a DFlash2 drafter (vLLM indexes them directly).
@@ -182,11 +183,8 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Drafter(DFlashDrafter):
-    arch = "dflash2"
     config_cls = DFlash2Config
     layer_cls = DFlash2DecoderLayer
-    knobs = REQUIRED
-    selects_candidates = True
 
     def __init__(self, cfg: DFlash2Config, flex_kernel_options: dict | None = None, context_scale: bool = False):
         if not isinstance(cfg, DFlash2Config):

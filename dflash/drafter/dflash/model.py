@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.drafter import attention
+import dflash.drafter.attention as attention
 from dflash.drafter.config import INIT_STD, SLIDING_ATTENTION, DrafterConfig
 
 CONTEXT_SCALE = "context_scale"  # --context-scale rms: the buffer's name in a checkpoint (never in an export)
@@ -200,20 +200,13 @@ def init_linears_and_norms(modules) -> None:
 
 
 class DFlashDrafter(nn.Module):
-    """The DFlash variant; dflash.drafter's registry builds it for a DrafterConfig.
+    """The DFlash drafter; dflash.drafter's registry builds it (or a family's subclass) for a config.
 
     `flex_kernel_options`: flex_attention's Triton tile sizes for every layer (bench/train_step.py measures
     choices); None = torch's defaults."""
 
-    arch = "dflash"  # the variant's name (--arch)
     config_cls = DrafterConfig
     layer_cls = DecoderLayer  # DFlash2 swaps in its convolved layer
-    knobs: tuple[str, ...] = ()  # config fields of its own beyond DFlash's, named as a run's options name them
-    # Whether the proposals come from a trained candidate selector (DFlash2), not lm_head's argmax: the
-    # selector is trained and measured outside the forward (dflash.train.objectives).
-    selects_candidates = False
-    # Whether it has DSpark's Markov and confidence heads, trained by dflash.train.dspark_loss.
-    dspark_heads = False
 
     def __init__(self, cfg: DrafterConfig, flex_kernel_options: dict | None = None, context_scale: bool = False):
         super().__init__()
@@ -324,7 +317,7 @@ class DFlashDrafter(nn.Module):
 
     @classmethod
     def export_keys(cls, cfg: DrafterConfig) -> list[str]:
-        """The exported tensor names of this variant's drafter."""
+        """The exported tensor names of this family's drafter."""
         return state_dict_keys(cfg.num_hidden_layers, cfg.attention_bias)
 
 
