@@ -100,7 +100,7 @@ def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report, ordered
             journal.append(records)
             report(len(records), sum(r["tokens"] for r in records))
 
-    size = window_size(cfg)
+    size = getattr(engine, "window_rows", None) or window_size(cfg)
     for w in range(0, len(todo), size):
         emit(run_window(engine, cfg, rows, todo[w:w + size], emit))
     journal.sync()

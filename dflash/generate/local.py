@@ -95,6 +95,22 @@ class LocalEngine:
         # transformers 5.24 renamed generate's `past_key_values` to `cache`; the model's forward says which
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._cache, self._cache_shape = None, None
+        self.continuous = self._continuous(cfg.continuous_batching)
+        if self.continuous:  # rows are refilled as they finish: long windows keep the rings full
+            self.window_rows = max(cfg.batch_size, 1) * 64
+
+    def _continuous(self, setting: str) -> bool:
+        from dflash.generate.refill import supports_ring
+
+        if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
+            return False
+        why = supports_ring(self.model)
+        if why is not None and setting == "on":
+            raise ConfigError(
+                f"--continuous-batching on: target {self.cfg.target} has {why}, which the ring-shaped cache of "
+                "continuous batching does not model; use --continuous-batching off (or auto)."
+            )
+        return why is None
 
     def encode(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -138,6 +154,17 @@ class LocalEngine:
                 ok.append(r.key)
         if on_batch is not None and out:
             on_batch(list(out.values()))
+        if self.continuous:
+            from dflash.generate import refill
+
+            def done(finished):
+                got = [self._finish(key, ids) for key, ids in finished]
+                out.update((r.key, r) for r in got)
+                if on_batch is not None:
+                    on_batch(got)
+
+            refill.generate(self, {k: encoded[k] for k in ok}, seed, done)
+            return [out[r.key] for r in requests]
         ok.sort(key=lambda k: (len(encoded[k]), k))
         b = 0
         while b < len(ok):
