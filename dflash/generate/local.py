@@ -1,10 +1,10 @@
-"""In-process generation: transformers' `generate` over length-sorted, left-padded batches (docs/DESIGN.md §10).
+"""In-process generation: continuous batching (refill.py) where the target allows it, else transformers'
+`generate` over length-sorted, left-padded batches (docs/DESIGN.md §10).
 
-Why not transformers' continuous batching (`generate_batch` / `init_continuous_batching`, present in the
-installed transformers): it gave the same greedy tokens here, but drives the model from a background
-thread of its own (the project keeps model work on a process's main thread, DESIGN §1) and costs a fixed
-start-up per call on CPU that the tests and resumption windows would pay again and again; prompts of
-similar length batched together waste little on padding.
+Why not transformers' own continuous batching (`generate_batch` / `init_continuous_batching`): it drives
+the model from a background thread of its own (the project keeps model work on a process's main thread,
+DESIGN §1), seeds its sampling once per manager, so a row's reply depends on what was scheduled beside it
+and a resumed run draws other replies (bench/generate_rate.py, mode `hfcb`, times it beside refill.py).
 
 Text is decoded as the OpenAI-compatible servers decode it (special tokens skipped), except that the
 thinking markers `<think>` / `</think>` are kept where a tokenizer marks them special, so the reasoning
