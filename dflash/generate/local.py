@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import ConfigError
+from dflash.generate.refill import static_width, supports_ring
 from dflash.target_model.capture import load_target, load_tokenizer, resolve_dtype
 
 THINK_TAGS = ("<think>", "</think>")
@@ -100,8 +101,6 @@ class LocalEngine:
             self.window_rows = max(cfg.batch_size, 1) * 64
 
     def _continuous(self, setting: str) -> bool:
-        from dflash.generate.refill import supports_ring
-
         if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
             return False
         why = supports_ring(self.model)
@@ -245,15 +244,6 @@ def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str |
     return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "
             "--static-cache on can decode several times faster (CUDA graphs: 7.4x for SmolLM2-135M at 64 rows a "
             "batch) after ~70 s of compiling.")
-
-
-def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:
-    """The padded prompt width of a static-cache batch: the next power of two (at least `floor`), held
-    below the target's context where that leaves room for --max-new-tokens, and never below `width`."""
-    padded = max(floor, 1 << (width - 1).bit_length())
-    if max_positions:
-        padded = min(padded, max(width, max_positions - max_new_tokens))
-    return padded
 
 
 __all__ = ["Request", "Response", "LocalEngine", "devices", "static_cache_note", "static_width", "template_kwargs",

@@ -32,11 +32,18 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.generate.local import static_width
-
 PREFILL_TOKENS = 1 << 16  # rows x width of one prefill forward: its 4D mask grows with rows x width^2
 MIN_GRAPH_ROWS = 8
 MASK64 = (1 << 64) - 1
+
+
+def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:
+    """The padded prompt width of a static-cache batch: the next power of two (at least `floor`), held
+    below the target's context where that leaves room for --max-new-tokens, and never below `width`."""
+    padded = max(floor, 1 << (width - 1).bit_length())
+    if max_positions:
+        padded = min(padded, max(width, max_positions - max_new_tokens))
+    return padded
 
 
 def supports_ring(model) -> str | None:
