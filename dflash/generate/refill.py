@@ -221,17 +221,19 @@ class Ring:
         ids = torch.full((n, w), eng.pad, dtype=torch.long)
         for i, it in enumerate(items):  # left padding: every prompt ends where its reply starts
             ids[i, w - len(it.ids):] = torch.tensor(it.ids)
-        q = torch.arange(w)
-        real = q[None, :] >= (w - lens)[:, None]  # [n, key]
+        # built where it is used: a wide prompt's mask is rows x width^2
+        q, start = torch.arange(w, device=dev), (w - lens).to(dev)
+        real = q[None, :] >= start[:, None]  # [n, key]
         # causal over the prompt's own keys; a padding query sees itself rather than nothing
-        allowed = ((q[None, :, None] >= q[None, None, :]) & real[:, None, :]) | torch.eye(w, dtype=torch.bool)
+        allowed = ((q[None, :, None] >= q[None, None, :]) & real[:, None, :]) | torch.eye(w, dtype=torch.bool,
+                                                                                         device=dev)
         pmask = torch.where(allowed, 0.0, self.neg).to(self.mask.dtype)[:, None]
-        pos = (q[None, :] - (w - lens)[:, None]).clamp_(min=0)
+        pos = (q[None, :] - start[:, None]).clamp_(min=0)
         rows = torch.tensor(slots, device=dev)
         ring = (torch.arange(w) + self.t - w) % self.length
         self.cache.prefill_at = (rows, ring.to(dev))
         try:
-            out = eng.model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=pmask.to(dev),
+            out = eng.model(input_ids=ids.to(dev), position_ids=pos, attention_mask=pmask,
                             use_cache=True, logits_to_keep=1, **{eng.cache_kwarg: self.cache})
         finally:
             self.cache.prefill_at = None
