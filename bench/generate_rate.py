@@ -10,7 +10,7 @@ work is the same in every mode.  Prompts are --rows first exchanges of 40 to --m
 mode runs twice in one process: the first pass pays for compilation, the second is the steady rate.
 Prints one JSON line per pass; `--out` writes them all.
 
-The real target and conversations (session 33: on them `--static-cache on` was no faster than off):
+The real target and conversations (on them `--static-cache on` was once no faster than off):
 
     python bench/generate_rate.py --target model --data data/train.jsonl --rows 512 --max-prompt-tokens 200 \
         --batch-size 64 --temperature 0.8 --passes 1 --modes on,off:256,off,hf@file
@@ -29,10 +29,10 @@ rows, ring length, decode steps and seconds.
 `--target` takes a checkpoint instead of the random one (its own eos, so replies end where it ends
 them), `--data` the first user turns of a conversations file. The rows go through `dflash generate`'s
 own loop (windows of four batches, a journal), shortest prompt first (`--order length`, as it takes
-them since session 33) or in file order (`--order file`: each window then mixes widths, as the
-session 33 lease's run did). A mode is `off`, `on` (this package's static cache: one per width, reset
+them) or in file order (`--order file`: each window then mixes widths, as an earlier measurement's
+run did). A mode is `off`, `on` (this package's static cache: one per width, reset
 between batches) or `hf` (transformers' own static cache, a new one per `generate` call, sized to the
-longest seen so far, as before session 33), then `:ROWS` for another batch size and `@ORDER` for
+longest seen so far, as the engine once did), then `:ROWS` for another batch size and `@ORDER` for
 another order, e.g. `hf@file`. Each record lists every batch's rows, width, cache shape and seconds,
 so compiling, recording and replaying show apart; `--out` gets each record as its pass ends.
 """
@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--limit", default="", help="ROWS:LENGTH,...: the bare decode step's rate at these shapes (CUDA)")
     ap.add_argument("--max-prompt-tokens", type=int, help="with --data: only prompts of at most this many tokens")
     ap.add_argument("--order", choices=["length", "file"], default="length",
-                    help="rows shortest prompt first, as `dflash generate` takes them since session 33, or in file order")
+                    help="rows shortest prompt first, as `dflash generate` takes them, or in file order")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--work", default="/tmp/generate_rate")
     ap.add_argument("--out")

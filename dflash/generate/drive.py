@@ -138,7 +138,7 @@ def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -
         devices = local_devices(cfg.gpus)
         if devices == ["cpu"]:
             print("generate: running in-process on CPU (no GPU requested or available).", flush=True)
-        note = static_cache_note(cfg.static_cache, devices, len(todo))
+        note = static_cache_note(cfg.static_cache, devices, len(todo), cfg.continuous_batching)
         if note:
             print(note, flush=True)
     bar = Bar(len(rows), resumed)

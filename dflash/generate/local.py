@@ -236,10 +236,10 @@ class LocalEngine:
 STATIC_CACHE_ROWS = 1000  # ~100K tokens repay ~70 s of compiling at the real 135M target's rates, ~300 tokens a reply
 
 
-def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str | None:
+def static_cache_note(static_cache: str, devices: list[str], rows: int, continuous: str = "off") -> str | None:
     """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs
-    decoded a 135M target 7.4x faster (docs/BENCHMARKS.md, session 34)."""
-    if static_cache != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
+    decoded a 135M target 7.4x faster (docs/BENCHMARKS.md). Continuous batching has graphs of its own."""
+    if static_cache != "off" or continuous != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
         return None
     return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "
             "--static-cache on can decode several times faster (CUDA graphs: 7.4x for SmolLM2-135M at 64 rows a "
