@@ -87,8 +87,8 @@ def run_window(engine, cfg, rows: list[dict], chunk: list[Plan], emit=None) -> l
 
 
 def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report, ordered: bool = True) -> None:
-    """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time, so
-    a stopped or killed run loses at most the batch in flight.  An engine that measures prompts in tokens
+    """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time (with
+    continuous batching, as rows finish), so a stopped or killed run loses at most the rows in flight.  An engine that measures prompts in tokens
     (in-process) takes the rows shortest first unless `ordered` is False."""
     if ordered and hasattr(engine, "prompt_length"):
         # in tokens: characters put a code or non-Latin prompt in a window of short ones (a width of

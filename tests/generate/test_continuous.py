@@ -142,3 +142,30 @@ def test_a_resumed_sampled_run_writes_the_uninterrupted_file(tmp_path, long_targ
     summary = run_generate(cfg(**{**opts, "batch_size": 5}, out=out))  # even with other batches
     assert summary["generated_now"] == 18 - 7
     assert out.read_bytes() == ref.read_bytes()
+
+
+def test_every_turn_regenerated_in_turn_gives_the_batch_paths_file_and_rows_reach_the_journal_as_they_finish(
+        tmp_path):
+    from dflash.generate.drive import drive
+    from dflash.generate.journal import Journal
+    from dflash.generate.rows import plan_row
+    from helpers import make_conversations_jsonl
+
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 6, max_words=6)
+    outs = {}
+    for mode in ("off", "on"):
+        outs[mode] = tmp_path / f"{mode}.jsonl"
+        run_generate(cfg(data=data, out=outs[mode], turns="all", max_new_tokens=12, batch_size=2,
+                         continuous_batching=mode))
+    assert outs["on"].read_bytes() == outs["off"].read_bytes()
+    c = cfg(data=data, turns="last", max_new_tokens=12, batch_size=2, continuous_batching="on")
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    (tmp_path / "work").mkdir()
+    journal, seen = Journal(tmp_path / "work", 0), []
+    try:
+        drive(LocalEngine(c, "cpu"), c, rows, [plan_row(r, i, data, "last") for i, r in enumerate(rows)], journal,
+              lambda n, tokens: seen.append((n, journal.path.read_bytes().count(b"\n"))))
+    finally:
+        journal.close()
+    assert sum(n for n, _ in seen) == 6 and len(seen) >= 3  # a journal write as rows finish, not one a window
+    assert [lines for _, lines in seen] == [sum(n for n, _ in seen[:i + 1]) for i in range(len(seen))]
