@@ -15,6 +15,17 @@ The real target and conversations (benchmarks/generate-static-cache-smollm2-h100
     python bench/generate_rate.py --target model --data data/train.jsonl --rows 512 --max-prompt-tokens 200 \
         --batch-size 64 --temperature 0.8 --passes 1 --modes on,off:256,off,hf@file
 
+Continuous batching (`cb`, `--continuous-batching on`: rows refilled as they finish, one ring-shaped cache
+and one decode graph a width) against transformers' own (`hfcb`, `model.generate_batch`, its paged cache):
+
+    python bench/generate_rate.py --target model --data data/prompts.jsonl --rows 1500 --samples 2 \
+        --temperature 0.8 --passes 1 --modes cb:128,cb:512,hfcb --limit 512:320,1024:320
+
+`--samples N` sends every prompt N times (as `dflash generate --samples N`: the copies are rows of their
+own); `--limit ROWS:LENGTH,...` times the bare decode step (one graph replay, every row decoding over a
+ring of LENGTH slots): the card's limit for the model at that batch. A `cb` record lists each width's
+rows, ring length, decode steps and seconds.
+
 `--target` takes a checkpoint instead of the random one (its own eos, so replies end where it ends
 them), `--data` the first user turns of a conversations file. The rows go through `dflash generate`'s
 own loop (windows of four batches, a journal), shortest prompt first (`--order length`, as it takes
@@ -47,6 +58,8 @@ from dflash.generate.journal import Journal  # noqa: E402
 from dflash.generate.local import LocalEngine, Request  # noqa: E402
 from dflash.generate.rows import plan_row  # noqa: E402
 
+# the same script times an older checkout's code (the baseline), whose config has no such option
+CONTINUOUS = "continuous_batching" in GenerateConfig.__dataclass_fields__
 WORDS = "the a model token block anchor draft target layer cache batch store shard reply prompt".split()
 
 
@@ -64,12 +77,13 @@ def build_target(path: Path, layers: int) -> Path:
     return path
 
 
-def prompts(n: int, max_words: int, data: str | None, fits=None) -> list[Request]:
+def prompts(n: int, max_words: int, data: str | None, fits=None, whole: bool = False) -> list[Request]:
     if data:  # first user turns, as `dflash generate --turns last` sends a first exchange; `fits` filters
         reqs = []
         with open(data) as f:
             for line in f:
-                r = Request(len(reqs), json.loads(line)["messages"][:1])
+                msgs = json.loads(line)["messages"]
+                r = Request(len(reqs), msgs if whole else msgs[:1])
                 if fits is None or fits(r):
                     reqs.append(r)
                 if len(reqs) == n:
@@ -79,6 +93,67 @@ def prompts(n: int, max_words: int, data: str | None, fits=None) -> list[Request
     return [Request(i, [{"role": "user", "content": " ".join(rng.choice(WORDS)
                                                              for _ in range(rng.randint(40, max_words)))}])
             for i in range(n)]
+
+
+def with_samples(reqs: list[Request], samples: int) -> list[Request]:
+    """Every prompt `samples` times, sample-major, each copy a row (key) of its own."""
+    n = len(reqs)
+    return [Request(k * n + i, r.messages) for k in range(samples) for i, r in enumerate(reqs)]
+
+
+def run_hf_cb(eng, cfg, reqs) -> tuple[int, list[dict]]:
+    """transformers' continuous batching (`generate_batch`) over the same prompts: new tokens up to EOS."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0,
+                           temperature=cfg.temperature or None, top_p=cfg.top_p, eos_token_id=sorted(eng.eos),
+                           pad_token_id=eng.pad)
+    out = eng.model.generate_batch([eng.encode(r.messages) for r in reqs], generation_config=gen)
+    tokens = 0
+    for res in out.values():
+        ids = list(res.generated_tokens)
+        stop = next((j for j, t in enumerate(ids) if t in eng.eos), None)
+        tokens += len(ids) if stop is None else stop + 1
+    return tokens, [{"requests": len(out)}]
+
+
+def decode_limit(eng, rows: int, length: int, steps: int = 50) -> dict:
+    """The bare decode step of `rows` rows over rings of `length` slots: one graph replay each."""
+    from dflash.generate.refill import Ring
+
+    ring = Ring(eng, rows, 64, length)
+    ring.step(rows)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        ring.graphs[rows].replay()
+    torch.cuda.synchronize()
+    s = (time.perf_counter() - t) / steps
+    return {"limit_rows": rows, "ring_length": length, "step_ms": round(s * 1e3, 3),
+            "tokens_per_s": round(rows / s, 1), "dtype": str(eng.model.dtype)}
+
+
+def widths_timed(records: list[dict]):
+    """Wraps the continuous decoder so that each width's rows, ring, steps and seconds are recorded."""
+    from dflash.generate import refill
+
+    inner = refill.decode_width
+
+    def timed(engine, ring, items, on_done):
+        steps, step = [0], ring.step
+
+        def counted(b):
+            steps[0] += 1
+            return step(b)
+
+        ring.step = counted
+        t = time.perf_counter()
+        inner(engine, ring, items, on_done)
+        records.append({"width": ring.width, "rows": ring.rows, "length": ring.length, "items": len(items),
+                        "steps": steps[0], "s": round(time.perf_counter() - t, 3)})
+
+    refill.decode_width = timed
+    return lambda: setattr(refill, "decode_width", inner)
 
 
 class PerCallCache(LocalEngine):
@@ -112,11 +187,13 @@ def run_pass(eng, cfg, reqs, order: str) -> tuple[int, list[dict]]:
         return out
 
     eng._batch = timed
+    undo = widths_timed(batches) if getattr(eng, "continuous", False) else (lambda: None)
     with tempfile.TemporaryDirectory() as work:
         journal = Journal(Path(work), 0)
         drive(eng, cfg, rows, plans, journal, lambda n, t: tokens.__setitem__(0, tokens[0] + t),
               ordered=order == "length")
         journal.close()
+    undo()
     eng._batch = inner
     return tokens[0], batches
 
@@ -133,6 +210,11 @@ def main() -> None:
     ap.add_argument("--target", help="a checkpoint to decode with (default: a random one of SmolLM2's shape)")
     ap.add_argument("--data", help="a conversations JSONL whose first user turns are the prompts")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--conversation", action="store_true",
+                    help="with --data: whole conversations, the last reply regenerated (the held-out replies)")
+    ap.add_argument("--samples", type=int, default=1, help="every prompt this many times, each a row of its own")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--limit", default="", help="ROWS:LENGTH,...: the bare decode step's rate at these shapes (CUDA)")
     ap.add_argument("--max-prompt-tokens", type=int, help="with --data: only prompts of at most this many tokens")
     ap.add_argument("--order", choices=["length", "file"], default="length",
                     help="rows shortest prompt first, as `dflash generate` takes them, or in file order")
@@ -149,24 +231,26 @@ def main() -> None:
         def fits(r: Request) -> bool:
             text = tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
             return len(tok(text, add_special_tokens=False)["input_ids"]) <= a.max_prompt_tokens
-    reqs = prompts(a.rows, a.max_words, a.data, fits)
+    reqs = with_samples(prompts(a.rows, a.max_words, a.data, fits, a.conversation), a.samples)
     if a.out:
         Path(a.out).write_text("")  # a record is appended as each pass ends: a run cut short keeps its passes
     for spec in a.modes.split(","):
         spec, _, order = spec.partition("@")
         mode, _, rows = spec.partition(":")
         bs, order = int(rows or a.batch_size), order or a.order
+        kw = {"continuous_batching": "on" if mode == "cb" else "off"} if CONTINUOUS else {}
         cfg = GenerateConfig(target=str(target), gpus=a.device, batch_size=bs, max_new_tokens=a.max_new_tokens,
-                             static_cache="off" if mode == "off" else "on", temperature=a.temperature)
+                             static_cache="off" if mode in ("off", "cb", "hfcb") else "on", temperature=a.temperature,
+                             dtype=a.dtype, **kw)
         eng = (PerCallCache if mode == "hf" else LocalEngine)(cfg, a.device)
         for p in range(a.passes):
             if a.device.startswith("cuda"):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t = time.perf_counter()
-            toks, batches = run_pass(eng, cfg, reqs, order)
+            toks, batches = run_hf_cb(eng, cfg, reqs) if mode == "hfcb" else run_pass(eng, cfg, reqs, order)
             wall = time.perf_counter() - t
-            rec = {"mode": mode, "static_cache": cfg.static_cache, "order": order, "pass": p + 1, "rows": len(reqs),
+            rec = {"mode": mode, "static_cache": cfg.static_cache, "samples": a.samples, "order": order, "pass": p + 1, "rows": len(reqs),
                    "new_tokens": toks, "wall_s": round(wall, 2), "tokens_per_s": round(toks / wall, 1),
                    "rows_per_s": round(len(reqs) / wall, 2), "batch_size": bs, "max_new_tokens": a.max_new_tokens,
                    "temperature": a.temperature, "seed": cfg.seed, "target": a.target or "random", "device": a.device,
@@ -174,11 +258,23 @@ def main() -> None:
             if a.device.startswith("cuda"):
                 rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 rec["gpu"] = torch.cuda.get_device_name()
-            print(json.dumps({k: v for k, v in rec.items() if k != "batches"}), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            emit(rec, a.out)
         del eng
+    for shape in filter(None, a.limit.split(",")):
+        rows, length = map(int, shape.split(":"))
+        cfg = GenerateConfig(target=str(target), gpus=a.device, continuous_batching="on", dtype=a.dtype,
+                             temperature=a.temperature)
+        eng = LocalEngine(cfg, a.device)
+        emit({"mode": "limit", **decode_limit(eng, rows, length), "temperature": a.temperature,
+              "target": a.target or "random", "gpu": torch.cuda.get_device_name()}, a.out)
+        del eng
+
+
+def emit(rec: dict, out: str | None) -> None:
+    print(json.dumps({k: v for k, v in rec.items() if k != "batches"}), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def run_window(engine, cfg, rows: list[dict], chunk: list[Plan], emit=None) -> l
 
 
 def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report, ordered: bool = True) -> None:
-    """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time, so
-    a stopped or killed run loses at most the batch in flight.  An engine that measures prompts in tokens
+    """`report(rows, tokens)` each time finished rows are in the journal: in process, a batch at a time (with
+    continuous batching, as rows finish), so a stopped or killed run loses at most the rows in flight.  An engine that measures prompts in tokens
     (in-process) takes the rows shortest first unless `ordered` is False."""
     if ordered and hasattr(engine, "prompt_length"):
         # in tokens: characters put a code or non-Latin prompt in a window of short ones (a width of
@@ -100,7 +100,7 @@ def drive(engine, cfg, rows, todo: list[Plan], journal: Journal, report, ordered
             journal.append(records)
             report(len(records), sum(r["tokens"] for r in records))
 
-    size = window_size(cfg)
+    size = getattr(engine, "window_rows", None) or window_size(cfg)
     for w in range(0, len(todo), size):
         emit(run_window(engine, cfg, rows, todo[w:w + size], emit))
     journal.sync()
@@ -138,7 +138,7 @@ def generate_rows(cfg, work, rows: list[dict], todo: list[Plan], resumed: int) -
         devices = local_devices(cfg.gpus)
         if devices == ["cpu"]:
             print("generate: running in-process on CPU (no GPU requested or available).", flush=True)
-        note = static_cache_note(cfg.static_cache, devices, len(todo))
+        note = static_cache_note(cfg.static_cache, devices, len(todo), cfg.continuous_batching)
         if note:
             print(note, flush=True)
     bar = Bar(len(rows), resumed)

@@ -1,10 +1,10 @@
-"""In-process generation: transformers' `generate` over length-sorted, left-padded batches (docs/DESIGN.md §10).
+"""In-process generation: continuous batching (refill.py) where the target allows it, else transformers'
+`generate` over length-sorted, left-padded batches (docs/DESIGN.md §10).
 
-Why not transformers' continuous batching (`generate_batch` / `init_continuous_batching`, present in the
-installed transformers): it gave the same greedy tokens here, but drives the model from a background
-thread of its own (the project keeps model work on a process's main thread, DESIGN §1) and costs a fixed
-start-up per call on CPU that the tests and resumption windows would pay again and again; prompts of
-similar length batched together waste little on padding.
+Why not transformers' own continuous batching (`generate_batch` / `init_continuous_batching`): it drives
+the model from a background thread of its own (the project keeps model work on a process's main thread,
+DESIGN §1), seeds its sampling once per manager, so a row's reply depends on what was scheduled beside it
+and a resumed run draws other replies (bench/generate_rate.py, mode `hfcb`, times it beside refill.py).
 
 Text is decoded as the OpenAI-compatible servers decode it (special tokens skipped), except that the
 thinking markers `<think>` / `</think>` are kept where a tokenizer marks them special, so the reasoning
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.errors import ConfigError
+from dflash.generate.refill import static_width, supports_ring
 from dflash.target_model.capture import load_target, load_tokenizer, resolve_dtype
 
 THINK_TAGS = ("<think>", "</think>")
@@ -95,6 +96,20 @@ class LocalEngine:
         # transformers 5.24 renamed generate's `past_key_values` to `cache`; the model's forward says which
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._cache, self._cache_shape = None, None
+        self.continuous = self._continuous(cfg.continuous_batching)
+        if self.continuous:  # rows are refilled as they finish: long windows keep the rings full
+            self.window_rows = max(cfg.batch_size, 1) * 64
+
+    def _continuous(self, setting: str) -> bool:
+        if setting == "off" or (setting == "auto" and self.device.type != "cuda"):
+            return False
+        why = supports_ring(self.model)
+        if why is not None and setting == "on":
+            raise ConfigError(
+                f"--continuous-batching on: target {self.cfg.target} has {why}, which the ring-shaped cache of "
+                "continuous batching does not model; use --continuous-batching off (or auto)."
+            )
+        return why is None
 
     def encode(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
@@ -138,6 +153,17 @@ class LocalEngine:
                 ok.append(r.key)
         if on_batch is not None and out:
             on_batch(list(out.values()))
+        if self.continuous:
+            from dflash.generate import refill
+
+            def done(finished):
+                got = [self._finish(key, ids) for key, ids in finished]
+                out.update((r.key, r) for r in got)
+                if on_batch is not None:
+                    on_batch(got)
+
+            refill.generate(self, {k: encoded[k] for k in ok}, seed, done)
+            return [out[r.key] for r in requests]
         ok.sort(key=lambda k: (len(encoded[k]), k))
         b = 0
         while b < len(ok):
@@ -210,23 +236,15 @@ class LocalEngine:
 STATIC_CACHE_ROWS = 1000  # ~100K tokens repay ~70 s of compiling at the real 135M target's rates, ~300 tokens a reply
 
 
-def static_cache_note(static_cache: str, devices: list[str], rows: int) -> str | None:
-    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs decode a
-    small target several times faster (the generate benchmark report under docs/ measures it)."""
-    if static_cache != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
+def static_cache_note(static_cache: str, devices: list[str], rows: int, continuous: str = "off") -> str | None:
+    """A hint where GPUs decode many rows through the dynamic cache: the static one's CUDA graphs
+    decode a small target several times faster
+    (benchmarks/generate-static-cache-smollm2-h100-2026-12-06.md). Continuous batching has graphs of its own."""
+    if static_cache != "off" or continuous != "off" or devices == ["cpu"] or rows < STATIC_CACHE_ROWS:
         return None
     return (f"generate: {rows:,} rows on {', '.join(devices)} with --static-cache off; for a small target "
             "--static-cache on can decode several times faster (CUDA graphs: 7.4x for SmolLM2-135M at 64 rows a "
             "batch) after ~70 s of compiling.")
-
-
-def static_width(width: int, max_new_tokens: int, max_positions: int, floor: int = 64) -> int:
-    """The padded prompt width of a static-cache batch: the next power of two (at least `floor`), held
-    below the target's context where that leaves room for --max-new-tokens, and never below `width`."""
-    padded = max(floor, 1 << (width - 1).bit_length())
-    if max_positions:
-        padded = min(padded, max(width, max_positions - max_new_tokens))
-    return padded
 
 
 __all__ = ["Request", "Response", "LocalEngine", "devices", "static_cache_note", "static_width", "template_kwargs",
