@@ -101,7 +101,8 @@ class DirectReads:
 
     Why: zarr reads a row range by decoding every inner chunk it touches whole (1,024 rows of a 135M
     target's hidden states, or a whole object of 16K token ids, for a sample of a few hundred tokens) on
-    its event-loop thread, one round trip per read, and the training loader's workers wait on it.  A raw inner chunk (the `bytes` codec alone) is the rows
+    its event-loop thread, one round trip per read, and the training loader's workers wait on it.  A raw
+    inner chunk (the `bytes` codec alone) is the rows
     themselves, so a range is a few `preadv`s into the caller's buffer; a compressed one is read and
     decoded once and kept in a small cache, since the samples of a micro-batch share objects.  Objects are
     immutable once a commit refers to them, so each one's index is read once."""
