@@ -49,7 +49,7 @@ class Drafter(Options):
                                                        for f in FAMILIES.values()) + ".")
     block_size: int = opt(16, "Tokens per drafted block.")
     num_layers: int = opt(3, "Drafter layers.  3: the best measured tau per GPU-second and per FLOP at block 16 "
-                          "(docs/RECIPE.md, setup c); 5 is the published z-lab layout.")
+                          "(benchmarks/made-targets-recipe-h200-2026-12-01.md, setup c); 5 is the published z-lab layout.")
     mask_token_id: int | None = opt(None, "Token id of the masked block positions; default a spare id of the "
                                     "target's embedding table.")
     target_layers: list[int] | None = opt(None, "Target layers the drafter reads; default (and required) the "
@@ -115,7 +115,7 @@ class Data(Options):
                                    "caps the blocks of one sample at block_budget / block_size.")
     num_shapes: int = opt(3, "Padded row shapes per stream: multiples of 128 at budget, /2, /4, ...")
     rows_per_batch: int = opt(1, "Packed rows per micro-batch per process (4 on an H200 at the 8B shape, "
-                              "docs/BENCHMARKS.md).")
+                              "benchmarks/train-step-qwen3-8b-h200-2026-12-01.md).")
     num_anchors: int = opt(64, "Anchors (blocks) drawn per sample per epoch, at most.")
     num_workers: int = opt(2, "DataLoader worker processes per training process (masks are built there).")
     skip_damaged: bool = opt(False, "Skip a sample whose stored bytes fail their checksums (each one named on "

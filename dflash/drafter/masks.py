@@ -10,7 +10,7 @@ DFlash drafters) a query at absolute position `p` further keeps only the keys at
 Everything flex_attention needs is derived from the sample ranges and block anchors alone, tile by tile,
 so the DataLoader workers never materialise a `Q x (S+Q)` mask and never evaluate `mask_mod` over every
 element the way flex_attention's own mask builder does (that builder runs compiled code, which must not
-run outside the main thread, and costs a noticeable share of every step: docs/BENCHMARKS.md).  The main
+run outside the main thread, and would cost time in every step).  The main
 process turns the metadata into a `BlockMask` with `BlockMask.from_kv_blocks`.
 """
 

@@ -1,8 +1,7 @@
 """Rendering a shard's rows (chat template, tokenizer, loss mask) ahead of the capture, in worker processes.
 
-For a small target the GPU captures faster than one CPU core renders: SmolLM2-135M's forward runs at
-~500K tokens/s on an H200 while one core renders ~300K, and rendered inline the two add up
-(docs/BENCHMARKS.md).  So a shard hands its windows of rows to a few worker processes and renders the
+For a small target the GPU captures faster than one CPU core renders, and rendered inline the two add up.
+So a shard hands its windows of rows to a few worker processes and renders the
 next windows while the GPU captures this one.  Workers render the same rows with the same tokenizer as
 the shard would: the samples, the batch plan and therefore the store are the same with any number of
 workers, including none (inline, what CPU runs and tests use).  Workers are spawned (never forked: the

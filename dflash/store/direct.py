@@ -3,8 +3,8 @@
 Why: zarr (3.1) writes even a whole, aligned shard object through its partial-write path, on its one
 event-loop thread: it fills every inner chunk with the fill value, copies the data in, encodes, then
 concatenates the chunks into one buffer before the file write.  That is four passes over the data on one
-thread, and with small rows (a 135M target stores 3.5 KB per token) it bounds precompute at a fraction of the
-capture's rate (docs/BENCHMARKS.md).  Here an object is encoded chunk by chunk straight from the writer's
+thread, and with small rows (a 135M target stores 3.5 KB per token) it bounds precompute below the
+capture's rate.  Here an object is encoded chunk by chunk straight from the writer's
 buffer (raw chunks are views, compressed ones go through the same numcodecs codec zarr uses) and written with
 one `writev`, on the caller's I/O thread, so objects are written in parallel and the GIL is released for
 the copies, the compression and the write.
@@ -101,8 +101,8 @@ class DirectReads:
 
     Why: zarr reads a row range by decoding every inner chunk it touches whole (1,024 rows of a 135M
     target's hidden states, or a whole object of 16K token ids, for a sample of a few hundred tokens) on
-    its event-loop thread, one round trip per read: the training loader's worker spent most of a
-    micro-batch there (docs/BENCHMARKS.md).  A raw inner chunk (the `bytes` codec alone) is the rows
+    its event-loop thread, one round trip per read, and the training loader's workers wait on it.  A raw
+    inner chunk (the `bytes` codec alone) is the rows
     themselves, so a range is a few `preadv`s into the caller's buffer; a compressed one is read and
     decoded once and kept in a small cache, since the samples of a micro-batch share objects.  Objects are
     immutable once a commit refers to them, so each one's index is read once."""

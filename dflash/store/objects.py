@@ -11,7 +11,7 @@ than precompute produces them and training reads them, so `hidden` is stored unc
 (`hidden_compressor="zstd"` turns it on); ids, masks and top-k use blosc-zstd with byte shuffle.  Where
 zarr has it, the arrays are written through zarr's FusedCodecPipeline (same bytes) rather than its default
 pipeline, which encodes every object on zarr's one event-loop thread and then bounds the writer; with it
-precompute's GPU does not wait for the store.  Write rates are in docs/BENCHMARKS.md.
+precompute's GPU does not wait for the store.  Write rates: benchmarks/precompute-qwen3-8b-h200-2026-11-30.md.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class ShardWriter:
         durable: bool = True,  # fsync at commits (power-loss safety); kill -9 safety holds either way
         overlap_io: bool = True,  # write Zarr objects on I/O threads (False: inline, on the caller's thread)
         io_threads: int = 4,  # object writes in flight at once, each on its own thread, to other objects
-        # (4 rather than 2: precompute of an 8B target ran faster with 4; docs/BENCHMARKS.md)
+        # (4 rather than 2: with 2, an 8B target's precompute waited on its writes)
         # zarr >= 3.4 only (ignored before): build the arrays on zarr's FusedCodecPipeline, which writes the
         # objects of a slice in parallel on worker threads, off zarr's event-loop thread; same bytes
         fused_pipeline: bool = True,

@@ -4,7 +4,8 @@ Why a process: WritePipeline's writer thread shares the GIL with the thread that
 Zarr's asyncio machinery, numpy and the commit bookkeeping hold the GIL often enough to slow the
 target's forward, which Python launches op by op: a capture runs measurably slower beside a writer
 thread doing a precompute's writes, and at full speed beside a writer process doing the same
-(bench/precompute_bench.py, passes capture_bg_thread / capture_bg_process; docs/BENCHMARKS.md).
+(bench/precompute_bench.py, passes capture_bg_thread / capture_bg_process;
+benchmarks/precompute-qwen3-8b-h200-2026-11-30.md).
 
     main process: GPU thread           main process: "dflash-store-handoff"    writer process
     submit(): encode on the device,    waits for the copy's CUDA event, then    ShardWriter.append_encoded

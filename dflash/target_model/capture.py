@@ -9,7 +9,7 @@ Capture never waits for the GPU: real positions are found from `lengths` on the 
 indexing on the device (a host sync each, after which the GPU idles until the main thread has queued
 more work).  The top-k reads the logits in the model's dtype and takes the fp32 log-normaliser in one
 fused pass (compiled on GPU) instead of materialising fp32 log-softmax over 152k entries per position.
-Together they bring capture closer to the bare forward's speed (docs/BENCHMARKS.md).
+Together they bring capture closer to the bare forward's speed (benchmarks/precompute-qwen3-8b-h200-2026-11-30.md).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class MicroBatch:
     ctx_scale: torch.Tensor | None = None
     """[R, S, L] float32: the per-token, per-layer scales of fp8 context features (zero on padding), or None
     when ctx_hidden is bf16.  The bits travel to the device at half the bytes of bf16 and are dequantised
-    there: in the worker, dequantising cost more than reading the store (docs/BENCHMARKS.md)."""
+    there, not in the worker, where dequantising would cost more than reading the store."""
     topk_ids: torch.Tensor | None = None
     """[R, Q, K] int64: the target's top-K token ids at each label's source position (--kd), else None."""
     topk_logprobs: torch.Tensor | None = None

@@ -7,7 +7,7 @@ pages freed when the batch is dropped, in the pin-memory thread with the GIL hel
 competes with the training thread for the GIL.  Page-locked memory grows with the micro-batches in
 flight (workers x 4).  With slots the pin-memory thread rarely takes the GIL, host memory is bounded by
 the number of slots and one host copy per micro-batch is gone; the step itself did not get faster (it
-was not held back by that GIL; docs/BENCHMARKS.md).
+was not held back by that GIL).
 
 Here the training process makes `num_slots` buffers once, in shared memory, page-locked with
 cudaHostRegister on a GPU.  Workers attach to them at start (the DataLoader hands them the dataset, and

@@ -2,7 +2,7 @@
 
 Gradients are all-reduced in fp32.  A bf16 all-reduce (a DDP comm hook: half the bytes) was tried and
 dropped: the fp32 all-reduce already overlaps the backward, so there was little to save, and the casts
-and bf16 copies cost more time and memory than the bytes saved (docs/BENCHMARKS.md).
+and bf16 copies cost more time and memory than the bytes saved (benchmarks/train-two-gpus-h200-2026-11-30.md).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def _balanced_order(batches: list, ctx: np.ndarray, blk: np.ndarray, spec: Loade
     A step lasts as long as its slowest process; with a random order the ranks' block-token counts differ
     widely (a row holds 1 to 4 samples), and every rank waits for the heaviest.  The steps themselves
     stay in random order: grouping whole runs of steps by cost puts steps of similar sample lengths back
-    to back, which costs held-out tau (docs/BENCHMARKS.md).  The leftover
+    to back, which costs held-out tau.  The leftover
     n % balance_group micro-batches, drawn at random, come last, where the sampler leaves an epoch's tail out."""
     n, G = len(batches), max(1, int(spec.balance_group))
     shuffled = rng.permutation(n)

@@ -88,7 +88,7 @@ class StepStats:
 def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor onto the training device without a host sync.  A plain .to(cuda) from pageable
     memory waits for the whole stream: once per step, the host then stops running ahead of the GPU and
-    the GPU idles while the next step is launched (docs/BENCHMARKS.md has the two-GPU cost)."""
+    the GPU idles while the next step is launched."""
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -118,7 +118,8 @@ def build_model(drafter_config, cfg: TrainConfig, device: torch.device, world: i
         # gradient buckets and each bucket's all-reduce can overlap the rest of the backward.  Otherwise
         # the drafter is compiled whole and DDP gets every gradient at once, after the backward: the
         # all-reduce is exposed, but no NCCL kernel shares the SMs with the backward.  Not CUDA graphs
-        # (mode="reduce-overhead"): the compiled backward re-recorded its graph every step (BENCHMARKS).
+        # (mode="reduce-overhead"): the compiled backward re-recorded its graph every step
+        # (benchmarks/train-step-qwen3-8b-h200-2026-12-01.md).
         (ddp if ddp is not None and cfg.systems.ddp_overlap else raw).compile(dynamic=False)
     return (ddp or raw), raw, ddp
 

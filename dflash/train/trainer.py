@@ -178,7 +178,7 @@ class Trainer:
     def _start_loader(self, total: int) -> None:
         """Sampler and feeder over the rest of this epoch, up to the last step, on the last epoch's loader
         (its workers, and their dataset) where this epoch's snapshot of the store is the same, else on a
-        new one: restarting eight workers cost ~1.5 s an epoch (docs/BENCHMARKS.md)."""
+        new one: restarting the workers would cost their start-up every epoch."""
         cfg = self.cfg
         steps = min(self.epoch_steps_left, total - self.step)
         if self.loader is not None and self.loader_snapshot == self.snapshot:

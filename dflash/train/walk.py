@@ -94,7 +94,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
              block_budget: int | None = None, num_shapes: int = 3, progress: bool = True) -> dict:
     """The engine's greedy walk over each sample's last reply (module docstring).
 
-    `block_budget`: block tokens a row (default one tile; bench/walk_speed.py compares larger ones).
+    `block_budget`: block tokens a row (default one tile).
     `num_shapes`: padded context shapes (LoaderSpec); a compiled drafter compiles each one it meets.
     Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples and
     num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked).
