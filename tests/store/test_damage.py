@@ -424,3 +424,32 @@ def test_a_reader_between_a_commit_and_its_tail_removal_looks_again(tmp_path, mo
     got.tail.unlink()  # now the shard does not move on: damage
     with pytest.raises(StoreError, match="is missing; shard .* is damaged"):
         layout.load_committed(shard, names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("array", [
+    "topk_ids",  # read first by the training process (the banner's agreement with the target), workers running
+    "hidden",  # read only by the loader workers
+    "input_ids",  # read by both: whichever comes first
+])
+def test_one_flipped_byte_stops_a_whole_epoch_with_one_message_whoever_reads_it(store, tiny_store, tmp_path, array):
+    """One changed byte in a chunk of `array`, a whole epoch on two loader workers: the run stops with the
+    one-paragraph message and exit status 1, and no process (the trainer, a worker still sending a
+    micro-batch or waiting for its batch slot) prints a traceback on its way out."""
+    import subprocess
+    import sys
+
+    target, _, _ = tiny_store
+    obj = next(p for p in sorted((store / SHARD / array / "c").rglob("*")) if p.is_file())
+    s0 = open_store(store)  # raw hidden rows: a byte of token 700's (the object is longer than its rows)
+    _flip(obj, 700 * s0.hidden_size * s0.num_layers * 2 + 3 if array == "hidden" else obj.stat().st_size // 2)
+    (tmp_path / "params.yaml").write_text("train: {}\n")
+    args = [sys.executable, "-m", "dflash.cli", "train", "--config", str(tmp_path / "params.yaml"), "--store",
+            str(store), "--target", str(target), "--out", str(tmp_path / "run"), "--gpus", "cpu:1", "--epochs", "1",
+            "--block-size", "4", "--num-layers", "1", "--token-budget", "256", "--num-workers", "2",
+            "--compile", "off", "--save-every", "0"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "error: store " in p.stderr and f"dflash verify {store}" in p.stderr and array in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout and "Caught" not in p.stderr, p.stderr[-3000:]
