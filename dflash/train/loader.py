@@ -303,21 +303,6 @@ def _worker_init(_, trainer_pid: int | None = None):
     if trainer_pid is not None and not pid_alive(trainer_pid):  # it died while this worker was starting
         os._exit(1)
     torch.set_num_threads(1)  # workers do light numpy work; leave the cores to the training process
-    _quiet_broken_pipe()
-
-
-def _quiet_broken_pipe() -> None:
-    """A worker's queue thread prints the traceback of any error sending a micro-batch; one to a training
-    process that has stopped (its one-paragraph error already printed) is expected and says nothing."""
-    from multiprocessing import queues
-
-    report = queues.Queue._on_queue_feeder_error
-
-    def on_error(e, obj):
-        if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
-            report(e, obj)
-
-    queues.Queue._on_queue_feeder_error = staticmethod(on_error)
 
 
 PREFETCH_FACTOR = 4  # micro-batches each worker keeps ready
