@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.errors import DataError, RowError
-from dflash.jsonl import jsonl_lines
+from dflash.jsonl import jsonl_lines, without_broken_lines
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SHAREGPT_ROLES = {
@@ -68,42 +68,26 @@ def _is_saved_dataset(p: Path) -> bool:
     return (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()
 
 
-def _check_json_file(f: Path) -> None:
-    """Name the first broken line: `datasets` only says that parsing failed somewhere."""
-    try:
-        text = f.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"dataset file {f} cannot be read ({e}); check the file and its permissions.") from None
-    if not text.strip():
-        raise DataError(f"dataset file {f} is empty; it needs at least one conversation.")
-    if f.suffix == ".json" and text.lstrip()[:1] in ("[", "{"):
-        try:
-            json.loads(text)
-            return
-        except json.JSONDecodeError:
-            pass  # maybe JSON lines under a .json name: the line scan below says where it breaks
-    for lineno, line in enumerate(jsonl_lines(text), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(
-                f"dataset file {f}, line {lineno}: not valid JSON ({e.msg} at column {e.colno}); "
-                "each line must be one JSON object. Fix or delete that line."
-            ) from None
-        if not isinstance(obj, dict):
-            raise DataError(f"dataset file {f}, line {lineno}: a JSON {type(obj).__name__}, expected an object.")
-
-
-def load_rows(path: str | Path, split: str = "train", max_samples: int | None = None, check: bool = True):
+def load_rows(path: str | Path, split: str = "train", max_samples: int | None = None, check: bool = True,
+              skip_bad_lines: bool = False):
     """A `datasets.Dataset` of the rows at `path` (local only).  `check=False` skips the JSON pre-scan
-    (shard processes, after the launching process has checked)."""
+    (shard processes, after the launching process has checked); `skip_bad_lines`: see read_rows."""
+    return read_rows(path, split, max_samples, check, skip_bad_lines)[0]
+
+
+def read_rows(path: str | Path, split: str = "train", max_samples: int | None = None, check: bool = True,
+              skip_bad_lines: bool = False):
+    """(dataset, broken): load_rows' dataset and, by row, the RowError of each line that is not one JSON
+    object.  Without `skip_bad_lines` such a line stops the run; with it, the line is a row with no
+    fields, for the caller to leave out as a bad row (`--skip-bad-rows`)."""
+    import tempfile
+
     import datasets
 
     p = Path(path)
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
+    broken: dict[int, RowError] = {}
     try:
         files = data_files(p)
         if not files:
@@ -123,25 +107,62 @@ def load_rows(path: str | Path, split: str = "train", max_samples: int | None = 
                 raise DataError(f"dataset {p} mixes file types ({', '.join(sorted(kinds))}); use one type.")
             if check:
                 for f in files:
-                    if f.suffix in (".json", ".jsonl"):
-                        _check_json_file(f)
-                    elif f.stat().st_size == 0:
+                    if f.stat().st_size == 0 and f.suffix not in (".json", ".jsonl"):
                         raise DataError(f"dataset file {f} is empty; it needs at least one conversation.")
-            try:
-                ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
-            except Exception as e:  # the builders raise many types; the message is what helps
-                raise DataError(
-                    f"dataset {p} cannot be read by `datasets` ({type(e).__name__}: {e}); check that every "
-                    "row has the same fields with the same types."
-                ) from None
+            with tempfile.TemporaryDirectory(prefix="dflash-rows-") as tmp:
+                if check or skip_bad_lines:
+                    files, broken = without_broken_lines(files, skip_bad_lines, tmp)
+                try:
+                    # a copy without the broken lines lives only as long as `tmp`: its rows are kept in memory
+                    extra = {"cache_dir": tmp, "keep_in_memory": True} if broken else {}
+                    ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train", **extra)
+                except Exception as e:  # the builders raise many types; the message is what helps
+                    raise DataError(
+                        f"dataset {p} cannot be read by `datasets` ({type(e).__name__}: {e}); check that every "
+                        "row has the same fields with the same types."
+                    ) from None
     finally:
         if bars:
             datasets.enable_progress_bars()
     if max_samples is not None:
         ds = ds.select(range(min(max_samples, len(ds))))
+        broken = {r: e for r, e in broken.items() if r < len(ds)}
     if len(ds) == 0:
         raise DataError(f"dataset {p} has no rows; it needs at least one conversation.")
-    return ds
+    return ds, broken
+
+
+def row_locator(path: str | Path):
+    """A function of a dataset row giving {file, line} for rows of JSON-lines files ({file} for a single
+    file of another kind, {} for a saved dataset): rows are the files' non-blank lines, in file order."""
+    files = data_files(path)
+    spans = []  # (file, first row, line number of each row or None)
+    first = 0
+    for f in files:
+        if f.suffix == ".jsonl" or (f.suffix == ".json" and not _is_one_document(f)):
+            lines = [n for n, line in enumerate(jsonl_lines(f.read_text(encoding="utf-8")), 1) if line.strip()]
+            spans.append((str(f), first, lines))
+            first += len(lines)
+        else:
+            spans.append((str(f), first, None))
+
+    def locate(row: int) -> dict:
+        for f, start, lines in reversed(spans):
+            if row >= start:
+                if lines is None:
+                    return {"file": f} if len(spans) == 1 else {}
+                return {"file": f, "line": lines[row - start]} if row - start < len(lines) else {}
+        return {}
+
+    return locate
+
+
+def _is_one_document(f: Path) -> bool:
+    try:
+        json.loads(f.read_text(encoding="utf-8"))
+        return True
+    except ValueError:
+        return False
 
 
 def dataset_fingerprint(path: str | Path, split: str = "train", max_samples: int | None = None) -> str:

@@ -68,6 +68,10 @@ class GenerateConfig(Options):
     overwrite: bool = opt(False, "Discard an existing output and its journal and start over.")
     restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing output was made from "
                                 "other inputs (for pipelines); the same inputs resume.")
+    skip_bad_rows: bool = opt(False, "Leave out the rows that cannot be generated (a line that is not one JSON "
+                              "object, an unknown format or role, no user turn to answer) instead of stopping; "
+                              "each is listed in the journal directory's skipped_rows.jsonl (.OUT.generate/) with "
+                              "its file, line and reason, and counted in the summary.")
 
 
 @dataclass
@@ -109,9 +113,9 @@ class PrecomputeConfig(Options):
     overwrite: bool = opt(False, "Delete an existing store and start over.")
     append: bool = opt(False, "Grow an existing store: capture only the conversations of --data it does not hold "
                        "(matched by content, not row), as a new part; committed samples stay as they are.")
-    skip_bad_rows: bool = opt(False, "Leave out the rows dflash cannot use (unknown format or role, a content that "
-                              "is not text, a conversation the chat template refuses or renders without its "
-                              "replies) instead of stopping; each is listed in STORE/skipped_rows.jsonl with its "
+    skip_bad_rows: bool = opt(False, "Leave out the rows dflash cannot use (a line that is not one JSON object, "
+                              "unknown format or role, a content that is not text, a conversation the chat "
+                              "template refuses or renders without its replies) instead of stopping; each is listed in STORE/skipped_rows.jsonl with its "
                               "file, line and reason, and counted in the summary.")
     restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
                                 "other inputs (for pipelines); a store of the same inputs is resumed, and with "

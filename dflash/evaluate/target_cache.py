@@ -10,8 +10,10 @@ target-only greedy decoding would have and the output is no longer lossless.
   mechanism for this) and `crop` then restores the window as it was before the rejected tokens.
 * Linear attention (`LinearAttentionLayer`: the gated-delta-net layers of Qwen3.5 / Qwen3.6 and
   Qwen3-Next): a recurrent state and a convolution state summarise the whole prefix and cannot be
-  "un-applied".  transformers 5.x can record the conv states' past but not the recurrent state's
-  (`is_croppable` is False for them), so before each block the states are snapshotted; after a
+  "un-applied".  transformers before 5.25 can record the conv states' past but not the recurrent state's
+  (`is_croppable` is False for them), and 5.25's recording needs the model to keep every intermediate
+  recurrent state of a forward, so on every version before each block the states (and, from 5.25, the
+  layer's own token count, which the cache's length then reads) are snapshotted; after a
   partly rejected block they are restored, every attention layer is cropped back to the block's start,
   and the target re-runs the `kept` accepted tokens from there.  The re-run costs one short forward per
   partly rejected block, only on hybrid targets; a fully accepted block needs nothing.
@@ -99,6 +101,7 @@ class TargetCache:
                 {k: (v.clone() if v is not None else None) for k, v in layer.conv_states.items()},
                 {k: (v.clone() if v is not None else None) for k, v in layer.recurrent_states.items()},
                 dict(layer.has_previous_state),
+                _length(layer),
             )
             for layer in self.linear
         ]
@@ -117,13 +120,23 @@ class TargetCache:
             return False
         if self._snapshot is None:
             raise RuntimeError("TargetCache.keep after a block without before_block")
-        for layer, (conv, rec, prev) in zip(self.linear, self._snapshot):
+        for layer, (conv, rec, prev, length) in zip(self.linear, self._snapshot):
             _restore(layer.conv_states, conv)
             _restore(layer.recurrent_states, rec)
             layer.has_previous_state.update(prev)
+            if length is not None:
+                layer.cumulative_length_linear.copy_(length)
         for _layer, crop in self.attention:
             crop(-block_len)
         return True
+
+
+def _length(layer) -> torch.Tensor | None:
+    """The tokens a linear-attention layer counts itself (transformers >= 5.25, where the cache's
+    `get_seq_length`, hence the next forward's positions, may come from a linear layer); None before.
+    Restored in place: the model may have marked it a static address."""
+    n = getattr(layer, "cumulative_length_linear", None)
+    return n.clone() if isinstance(n, torch.Tensor) else None
 
 
 def _restore(states: dict, saved: dict) -> None:

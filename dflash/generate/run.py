@@ -21,9 +21,9 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-from dflash.chat import dataset_fingerprint, load_rows
+from dflash.chat import dataset_fingerprint, read_rows, row_locator
 from dflash.config import GenerateConfig
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, DataError
 from dflash.generate import journal as jr
 from dflash.generate.rows import Plan, plan_row
 from dflash.locks import dir_lock
@@ -135,19 +135,20 @@ def run_generate(cfg: GenerateConfig) -> dict:
 
 def _run(cfg: GenerateConfig, out: Path) -> dict:
     t0 = time.time()
-    ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
+    ds, broken = read_rows(cfg.data, cfg.split, cfg.max_samples, skip_bad_lines=cfg.skip_bad_rows)
     rows = [dict(r) for r in ds]
-    plans = [plan_row(r, i, cfg.data, cfg.turns) for i, r in enumerate(rows)]
+    plans, skipped = _plans(cfg, rows, broken)
     if cfg.samples > 1:
         rows, plans = sampled_copies(rows, plans, cfg.samples)
     inputs = inputs_of(cfg, len(rows))
     _preflight(cfg)
     work = _prepare_work(cfg, out, inputs)
+    _write_skipped(work, skipped)
     done = jr.load_records(work)
     todo = [p for p in plans if done.get(p.row, {}).get("out") is None]
     meta = jr.read_meta(work)
     if not todo and meta.get("sha256") and jr.file_sha256(out) == meta["sha256"]:
-        summary = summarize(done, len(rows), 0, 0, time.time() - t0)
+        summary = summarize(done, len(rows), 0, 0, time.time() - t0, len(skipped))
         print(f"generate: {out} is already complete ({summary['rows']} rows); nothing to do.", flush=True)
         return summary
     resumed = len(plans) - len(todo)
@@ -160,10 +161,38 @@ def _run(cfg: GenerateConfig, out: Path) -> dict:
     records = jr.load_records(work)
     sha = jr.assemble(out, records, len(rows))
     summary = summarize(records, len(rows), len(todo), sum(int(records.get(p.row, {}).get("tokens") or 0)
-                                                            for p in todo), time.time() - t0)
+                                                            for p in todo), time.time() - t0, len(skipped))
     jr.write_meta(work, {**meta, "sha256": sha, "summary": summary})
-    print_summary(out, summary)
+    print_summary(out, summary, work / SKIPPED)
     return summary
+
+
+SKIPPED = "skipped_rows.jsonl"  # in the journal directory: one {row, file, line, kind, reason} per bad row
+
+
+def _plans(cfg: GenerateConfig, rows: list[dict], broken: dict) -> tuple[list[Plan], list[dict]]:
+    """Each row's plan; with --skip-bad-rows a row that has none (its line is not one JSON object, or
+    plan_row refuses it) is left out and listed instead of stopping the run."""
+    plans, skipped = [], []
+    for i, r in enumerate(rows):
+        try:
+            if i in broken:
+                raise broken[i]
+            plans.append(plan_row(r, i, cfg.data, cfg.turns))
+        except DataError as e:
+            if not cfg.skip_bad_rows:
+                raise DataError(f"{e} Or pass --skip-bad-rows to generate the other rows and list this one.") from None
+            skipped.append({"row": i, "kind": getattr(e, "kind", "nothing to answer"), "reason": str(e)})
+    if skipped:
+        locate = row_locator(cfg.data)
+        skipped = [{"row": s["row"], **locate(s["row"]), "kind": s["kind"], "reason": s["reason"]} for s in skipped]
+    return plans, skipped
+
+
+def _write_skipped(work: Path, skipped: list[dict]) -> None:
+    path = work / SKIPPED
+    if skipped or path.exists():
+        jr.atomic_write(path, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in skipped).encode())
 
 
 def sampled_copies(rows: list[dict], plans: list[Plan], samples: int) -> tuple[list[dict], list[Plan]]:
@@ -177,11 +206,12 @@ def sampled_copies(rows: list[dict], plans: list[Plan], samples: int) -> tuple[l
         return {**row, "id": f"{row['id']}.s{k}"} if row.get("id") is not None else dict(row)
 
     out_rows = [copy(rows[i], k) for k in range(samples) for i in range(n)]
-    out_plans = [replace(plans[i], row=k * n + i) for k in range(samples) for i in range(n)]
+    out_plans = [replace(p, row=k * n + p.row) for k in range(samples) for p in plans]
     return out_rows, out_plans
 
 
-def summarize(records: dict[int, dict], num_rows: int, generated: int, new_tokens: int, wall_s: float) -> dict:
+def summarize(records: dict[int, dict], num_rows: int, generated: int, new_tokens: int, wall_s: float,
+              skipped: int = 0) -> dict:
     failed = Counter(str(r["failed"]) for r in records.values() if r.get("out") is None and r.get("failed"))
     return {
         "rows": sum(1 for r in records.values() if r.get("out") is not None),
@@ -191,19 +221,21 @@ def summarize(records: dict[int, dict], num_rows: int, generated: int, new_token
         "new_tokens": new_tokens,
         "cut": sum(int(r.get("cut") or 0) for r in records.values() if r.get("out") is not None),
         "failed": dict(sorted(failed.items())),
+        "skipped": skipped,
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(new_tokens / wall_s, 1) if wall_s > 0 else 0.0,
     }
 
 
-def print_summary(out: Path, s: dict) -> None:
+def print_summary(out: Path, s: dict, report: Path | None = None) -> None:
     fails = sum(s["failed"].values())
     why = "; ".join(f"{n} x {reason}" for reason, n in s["failed"].items())
     print(
         f"generate: {out}: {s['rows']} of {s['num_rows']} rows, {s['tokens']} response tokens; "
         f"{s['cut']} responses cut at --max-new-tokens; {fails} rows failed" + (f" ({why}; left out of the file, "
         "a rerun retries them)" if fails else "") + f"; {s['generated_now']} rows generated now in "
-        f"{s['wall_s']:.1f}s ({s['tokens_per_s']:.0f} tokens/s)",
+        f"{s['wall_s']:.1f}s ({s['tokens_per_s']:.0f} tokens/s)"
+        + (f"; left out {s['skipped']} bad rows (--skip-bad-rows; listed in {report})" if s.get("skipped") else ""),
         file=sys.stdout, flush=True,
     )
 

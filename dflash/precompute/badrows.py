@@ -3,7 +3,9 @@ row left out came from, and the report that lists them.
 
 A row is bad when dflash cannot use it: an unknown format or role, a content that is not text, a chat
 template that refuses the conversation, an assistant reply not found in the render (dflash.errors.RowError).
-A line that is not JSON is not a row: `datasets` cannot read the file at all, so it still stops the run.
+A JSON-lines line that is not one JSON object (cut by a crashed writer, a bare value) is a bad row too
+(kind "not valid JSON" or "not a JSON object"): dflash.chat.read_rows loads it as a row with no fields,
+so the rows after it keep their numbers.
 
 `STORE/skipped_rows.jsonl` holds one JSON object per skipped row, {part, row, file, line, kind, reason},
 ordered by part then row.  It is written before the part that leaves the rows out is recorded (grow.py),
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash.chat import check_renders, conversation_key, conversation_of, data_files, render
+from dflash.chat import check_renders, conversation_key, conversation_of, render, row_locator
 from dflash.config import PrecomputeConfig
 from dflash.errors import DataError, RowError
 from dflash.jsonl import jsonl_lines
@@ -50,17 +52,22 @@ def _check_row(cfg: PrecomputeConfig, row, i: int, tokenizer, held, seen: dict) 
     return key
 
 
-def check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset()) -> tuple[list, list[dict]]:
+def check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset(),
+               broken: dict[int, RowError] | None = None) -> tuple[list, list[dict]]:
     """Before the store exists: every row has a known format and renders through the chat template with
     its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
     are skipped), the first rows render in full, and some row has something to supervise.  Returns each
     row's content key (what an append matches conversations on; None for a row --skip-bad-rows leaves
-    out) and the rows left out, each with its reason."""
+    out) and the rows left out, each with its reason.  `broken`: the rows whose line is not one JSON
+    object (dflash.chat.read_rows), bad rows whatever they hold."""
+    broken = broken or {}
     seen = {"assistant": 0, "rendered": 0, "supervised": False}
     keys, bad = [], []
     bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
     for i, row in enumerate(ds):
         try:
+            if i in broken:
+                raise broken[i]
             keys.append(_check_row(cfg, row, i, tokenizer, held, seen))
         except RowError as e:
             if not cfg.skip_bad_rows:
@@ -83,39 +90,6 @@ def check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozense
             "whose chat template renders them."
         )
     return keys, bad
-
-
-def row_locator(path: str | Path):
-    """A function of a dataset row giving {file, line} for rows of JSON-lines files ({file} for a single
-    file of another kind, {} for a saved dataset): rows are the files' non-blank lines, in file order."""
-    files = data_files(path)
-    spans = []  # (file, first row, line number of each row or None)
-    first = 0
-    for f in files:
-        if f.suffix == ".jsonl" or (f.suffix == ".json" and not _is_one_document(f)):
-            lines = [n for n, line in enumerate(jsonl_lines(f.read_text(encoding="utf-8")), 1) if line.strip()]
-            spans.append((str(f), first, lines))
-            first += len(lines)
-        else:
-            spans.append((str(f), first, None))
-
-    def locate(row: int) -> dict:
-        for f, start, lines in reversed(spans):
-            if row >= start:
-                if lines is None:
-                    return {"file": f} if len(spans) == 1 else {}
-                return {"file": f, "line": lines[row - start]} if row - start < len(lines) else {}
-        return {}
-
-    return locate
-
-
-def _is_one_document(f: Path) -> bool:
-    try:
-        json.loads(f.read_text(encoding="utf-8"))
-        return True
-    except ValueError:
-        return False
 
 
 def write_report(store: str | Path, part: int, records: list[dict]) -> None:

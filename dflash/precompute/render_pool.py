@@ -31,12 +31,13 @@ def auto_workers(device_type: str, num_shards: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // max(num_shards, 1) - 2))
 
 
-def _init(parent_pid: int, target: str, trust_remote_code: bool, data: str, split: str, max_samples) -> None:
+def _init(parent_pid: int, target: str, trust_remote_code: bool, data: str, split: str, max_samples,
+          skip_bad_lines: bool) -> None:
     from dflash.target_model.capture import load_tokenizer
 
     die_with_parent(parent_pid)
     _worker["tokenizer"] = load_tokenizer(target, trust_remote_code)
-    _worker["rows"] = load_rows(data, split, max_samples, check=False)
+    _worker["rows"] = load_rows(data, split, max_samples, check=False, skip_bad_lines=skip_bad_lines)
     _worker["data"] = data
 
 
@@ -60,7 +61,8 @@ class RenderPool:
 
             self.pool = mp.get_context("spawn").Pool(
                 workers, initializer=_init,
-                initargs=(os.getpid(), cfg.target, cfg.trust_remote_code, cfg.data, cfg.split, cfg.max_samples))
+                initargs=(os.getpid(), cfg.target, cfg.trust_remote_code, cfg.data, cfg.split, cfg.max_samples,
+                          cfg.skip_bad_rows))
 
     def __enter__(self) -> RenderPool:
         return self

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.chat import dataset_fingerprint, load_rows
+from dflash.chat import dataset_fingerprint, read_rows
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.cpu_threads import cpu_threads
 from dflash.errors import ConfigError, DFlashError, TargetError
@@ -107,8 +107,8 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Da
     problem = engine_layer_problem(layer_ids, n_layers)
     if problem:  # a store train would refuse: say so before capturing it (docs/DESIGN.md §2)
         raise ConfigError(f"--target-layers: {problem}")
-    ds = load_rows(cfg.data, cfg.split, cfg.max_samples)
-    keys, bad = check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash))
+    ds, broken = read_rows(cfg.data, cfg.split, cfg.max_samples, skip_bad_lines=cfg.skip_bad_rows)
+    keys, bad = check_rows(cfg, ds, tokenizer, _held_keys(cfg, tok_hash), broken)
     fingerprint = dataset_fingerprint(cfg.data, cfg.split, cfg.max_samples)
     manifest = {
         "target": {**identity, "path": portable(cfg.target, cfg.out)},

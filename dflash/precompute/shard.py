@@ -95,7 +95,7 @@ def run_shard(job: ShardJob) -> dict:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tokenizer = load_tokenizer(cfg.target, cfg.trust_remote_code)
-    ds = load_rows(cfg.data, cfg.split, cfg.max_samples, check=False)
+    ds = load_rows(cfg.data, cfg.split, cfg.max_samples, check=False, skip_bad_lines=cfg.skip_bad_rows)
     rows, id_base = job.rows(len(ds))
     lock = _lock_shard(Path(cfg.out), shard)
     try:

@@ -151,7 +151,11 @@ class DirectReads:
             self._decoded.move_to_end((k, c))
             return got
         raw = os.pread(fd, int(idx[c, 1]), int(idx[c, 0]))
-        got = np.frombuffer(self.compressor.decode(raw), dtype=np.uint8)
+        try:
+            got = np.frombuffer(self.compressor.decode(raw), dtype=np.uint8)
+        except Exception as e:  # a garbled chunk: codecs raise many types (blosc: RuntimeError), never a StoreError
+            raise ValueError(f"object {self._object(k)}: inner chunk {c} cannot be decompressed "
+                             f"({type(e).__name__}: {e})") from e
         if got.size != self.ci * self.row_bytes:
             raise ValueError(f"object {self._object(k)}: inner chunk {c} decodes to {got.size} bytes, not "
                              f"{self.ci * self.row_bytes}")

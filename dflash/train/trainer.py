@@ -217,6 +217,16 @@ class Trainer:
                 it._shutdown_workers()
             self.loader = self.sampler = self.loader_snapshot = None
 
+    def stop_loader(self) -> None:
+        """A failed run's loader workers stopped and joined now, before the error is reported: left to the
+        interpreter's exit, a worker still sending a micro-batch (or its own error) to this process prints
+        a traceback of its broken pipe after the run's one-paragraph message."""
+        try:
+            self._close_loader()
+            self._stop_workers()
+        except Exception:  # the error under way is what the user must see
+            pass
+
     def data_wait_s(self) -> float:
         """Seconds this run's steps waited for data: the loaders, and --follow's waits for the store."""
         return self.wait_before + (self.feeder.wait_s if self.feeder is not None else 0.0)
@@ -354,7 +364,12 @@ def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | 
         if isinstance(run, TrainConfig):
             run = resolved_by_rank0(run, rank, world)
         with StepGC(run.cfg.systems.gc_every) as step_gc:
-            return Trainer(run, dev, rank, world, step_gc).train()
+            trainer = Trainer(run, dev, rank, world, step_gc)
+            try:
+                return trainer.train()
+            except BaseException:
+                trainer.stop_loader()
+                raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -311,3 +311,26 @@ def test_samples_are_refused_where_they_would_be_copies(tmp_path, chats):
     with pytest.raises(ConfigError, match="--samples must be at least 1"):
         run_generate(cfg(target=EMBEDDED, data=chats, out=out, samples=0, temperature=0.8))
     assert not out.exists() and not work_dir(out).exists()
+
+
+def test_skip_bad_rows_leaves_out_broken_lines_and_rows_with_nothing_to_answer(tmp_path):
+    """A line cut by a crashed writer and a row with no user turn: without --skip-bad-rows the first stops
+    the run, naming its line, before anything is written; with it both are left out, listed with file,
+    line and kind in the journal directory and counted, and the good rows come out in their order."""
+    good = [{"id": i, "messages": [{"role": "user", "content": f"Say {w}."}]} for i, w in enumerate("abc")]
+    lines = [json.dumps(good[0]), json.dumps(good[1])[:25], json.dumps(good[1]),
+             json.dumps({"id": 9, "messages": [{"role": "assistant", "content": "hi"}]}), json.dumps(good[2])]
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(DataError, match="line 2: not valid JSON .*Fix or delete that line"):
+        run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=2, turns="all"))
+    assert not out.exists() and not work_dir(out).exists()
+    summary = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=2, turns="all", skip_bad_rows=True))
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in got] == [0, 1, 2] and summary["rows"] == 3 and summary["skipped"] == 2
+    report = [json.loads(x) for x in (work_dir(out) / "skipped_rows.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["line"], r["kind"], r["file"]) for r in report] == \
+        [(1, 2, "not valid JSON", str(data)), (3, 4, "nothing to answer", str(data))]
+    again = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=2, turns="all", skip_bad_rows=True))
+    assert again["skipped"] == 2 and again["generated_now"] == 0

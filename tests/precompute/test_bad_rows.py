@@ -88,3 +88,43 @@ def test_bad_rows_are_left_out_listed_and_a_rerun_and_an_append_keep_the_store(t
     report = [json.loads(x) for x in (store / REPORT).read_text().split("\n") if x]
     assert [r["part"] for r in report] == [0] * 4 + [1] * 5 and report[-1]["kind"] == "no turns"
     assert len(open_store(store)) == 10 and open_store(store).manifest["parts"][1]["bad_rows"] == 5
+
+
+@pytest.mark.slow
+def test_a_line_that_is_not_one_json_object_is_a_bad_row(tmp_path, picky):
+    """A line cut by a crashed writer and a bare JSON value: with --skip-bad-rows each is one more bad row
+    (listed with its file, line and kind, counted) and the rows after it keep their numbers; once the cut
+    line is fixed, an --append captures that conversation alone."""
+    good = make_conversations(6, seed=5)
+    cut = json.dumps(good[2])[:40]
+    lines = [json.dumps(r) for r in good[:2]] + [cut, "[1, 2]"] + [json.dumps(r) for r in good[3:]]
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    store = tmp_path / "s"
+    rc, out, err = run_cli(_args(picky, data, store))
+    assert rc != 0 and "line 3: not valid JSON" in err and "Fix or delete that line" in err and "Traceback" not in err
+    assert not store.exists()
+
+    rc, out, err = run_cli(_args(picky, data, store, "--skip-bad-rows"))
+    assert rc == 0, err
+    assert f"left out 2 bad rows (--skip-bad-rows; listed in {store / REPORT})" in out, out
+    report = [json.loads(x) for x in (store / REPORT).read_text().split("\n") if x]
+    assert [(r["row"], r["line"], r["kind"], r["file"]) for r in report] == \
+        [(2, 3, "not valid JSON", str(data)), (3, 4, "not a JSON object", str(data))]
+    assert "not valid JSON (" in report[0]["reason"] and "a JSON list" in report[1]["reason"]
+    s = open_store(store)
+    assert len(s) == 5 and s.manifest["parts"][0]["bad_rows"] == 2 and verify_store(store).ok
+    ref = build_store(tmp_path / "ref", picky, _data(tmp_path / "g.jsonl", good[:2] + good[3:], {}),
+                      target_layers=[1], topk=2, max_length=128)
+    got, want = store_arrays(store), store_arrays(ref)
+    for a, b in zip(sorted(got), sorted(want)):
+        assert all(np.array_equal(got[a][k], want[b][k]) for k in want[b])
+
+    lines[2] = json.dumps(good[2])
+    data.write_text("\n".join(lines) + "\n")
+    rc, out, err = run_cli(_args(picky, data, store, "--skip-bad-rows", "--append"))
+    assert rc == 0, err
+    s = open_store(store)
+    assert len(s) == 6 and s.manifest["parts"][1]["bad_rows"] == 1 and verify_store(store).ok
+    report = [json.loads(x) for x in (store / REPORT).read_text().split("\n") if x]
+    assert [(r["part"], r["line"]) for r in report] == [(0, 3), (0, 4), (1, 4)]

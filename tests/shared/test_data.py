@@ -202,3 +202,26 @@ def test_fingerprint_follows_bytes(tmp_path):
     assert dataset_fingerprint(p, max_samples=2) != f1
     make_conversations_jsonl(p, 4, seed=9)
     assert dataset_fingerprint(p) != f1
+
+
+def test_broken_lines_are_rows_with_no_fields_when_skipped(tmp_path):
+    """A directory of two JSON-lines files, the second with a cut line and a bare value: without skipping
+    the first stops the load, naming its line; with it each is a row of its own (the rows after it keep
+    their numbers, across files), with its RowError, and the files themselves are left as they were."""
+    from dflash.chat import read_rows
+
+    rows = make_conversations(5)
+    for i, r in enumerate(rows):
+        r["id"] = i
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    second = json.dumps(rows[2]) + "\n" + json.dumps(rows[3])[:30] + "\n\n\"text\"\n" + json.dumps(rows[4]) + "\n"
+    (tmp_path / "b.jsonl").write_text(second)
+    with pytest.raises(DataError, match=r"b.jsonl, line 2: not valid JSON .*Fix or delete that line"):
+        read_rows(tmp_path)
+    ds, broken = read_rows(tmp_path, skip_bad_lines=True)
+    assert [r["id"] for r in ds] == [0, 1, 2, None, None, 4]
+    assert {i: e.kind for i, e in broken.items()} == {3: "not valid JSON", 4: "not a JSON object"}
+    assert "b.jsonl, line 4 (row 4): a JSON str" in str(broken[4])
+    ds, broken = read_rows(tmp_path, max_samples=4, check=False, skip_bad_lines=True)
+    assert len(ds) == 4 and list(broken) == [3]
+    assert (tmp_path / "b.jsonl").read_text() == second

@@ -124,6 +124,28 @@ def test_garbled_compressed_object_names_shard_and_array(store):
     assert f"{SHARD}: rows" in msg and "input_ids cannot be decoded" in msg and "dflash verify" in msg
 
 
+@pytest.mark.parametrize("num_workers", [0, 1, 2])
+def test_a_chunk_its_codec_cannot_decompress_is_one_message_in_any_process(store, num_workers):
+    """A flipped byte in the header of a compressed input_ids chunk makes blosc raise a RuntimeError of its
+    own: read by the training process (0: Store.read, as the banner's agreement with the target does) or
+    by a loader worker, it is the shard's StoreError naming the array, not a traceback."""
+    from dflash.train import loader as L
+
+    _flip(store / SHARD / "input_ids" / "c" / "0", 0)
+    s = open_store(store, require_complete=True)
+    with pytest.raises(StoreError) as e:
+        if num_workers == 0:
+            s.read(s.sample_ids()[0], fields=["input_ids"])
+        else:
+            spec = L.LoaderSpec(block_size=4, num_anchors=4, token_budget=256, block_budget=128, rows_per_batch=2,
+                                mask_token_id=0, seed=0)
+            ds = L.PackedDataset(s, spec)
+            list(L.make_loader(ds, L.RankSampler(ds, 0, 1, 1, 0, 0, 1), num_workers=num_workers))
+    msg = str(e.value)
+    assert f"{SHARD}: rows" in msg and "of input_ids cannot be decoded" in msg and "cannot be decompressed" in msg
+    assert f"dflash verify {store}" in msg and "Traceback" not in msg and "Caught" not in msg
+
+
 def test_loader_worker_reports_damage_as_one_message(store):
     """In a real DataLoader worker process: the training process gets the StoreError with the worker's
     message, not torch's "Caught StoreError in DataLoader worker process 0 ... Original Traceback"."""
@@ -424,3 +446,33 @@ def test_a_reader_between_a_commit_and_its_tail_removal_looks_again(tmp_path, mo
     got.tail.unlink()  # now the shard does not move on: damage
     with pytest.raises(StoreError, match="is missing; shard .* is damaged"):
         layout.load_committed(shard, names)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("array", [
+    "topk_ids",  # read first by the training process (the banner's agreement with the target), workers running
+    "hidden",  # read only by the loader workers
+    "input_ids",  # read by both, whichever comes first; the byte breaks the compressed chunk's header
+])
+def test_one_flipped_byte_stops_a_whole_epoch_with_one_message_whoever_reads_it(store, tiny_store, tmp_path, array):
+    """One changed byte in a chunk of `array`, a whole epoch on two loader workers: the run stops with the
+    one-paragraph message and exit status 1, and no process (the trainer, a worker still sending a
+    micro-batch or waiting for its batch slot) prints a traceback on its way out."""
+    import subprocess
+    import sys
+
+    target, _, _ = tiny_store
+    obj = next(p for p in sorted((store / SHARD / array / "c").rglob("*")) if p.is_file())
+    s0 = open_store(store)  # raw hidden rows: a byte of token 700's (the object is longer than its rows)
+    at = {"topk_ids": obj.stat().st_size // 2, "hidden": 700 * s0.hidden_size * s0.num_layers * 2 + 3, "input_ids": 0}
+    _flip(obj, at[array])
+    (tmp_path / "params.yaml").write_text("train: {}\n")
+    args = [sys.executable, "-m", "dflash.cli", "train", "--config", str(tmp_path / "params.yaml"), "--store",
+            str(store), "--target", str(target), "--out", str(tmp_path / "run"), "--gpus", "cpu:1", "--epochs", "1",
+            "--block-size", "4", "--num-layers", "1", "--token-budget", "256", "--num-workers", "2",
+            "--compile", "off", "--save-every", "0"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "error: " in p.stderr and f"dflash verify {store}" in p.stderr and array in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout and "Caught" not in p.stderr, p.stderr[-3000:]
