@@ -102,7 +102,6 @@ class RingCache:
     chosen rows (`prefill_at`)."""
 
     is_compileable = False
-    is_sliding = False
 
     def __init__(self, config, rows: int, length: int, dtype, device):
         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -111,6 +110,8 @@ class RingCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.length, self.active = length, rows
+        # transformers' mask builders read one flag a layer (a list, never a bool: 5.18 tests `False in`)
+        self.is_sliding = [False] * config.num_hidden_layers
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.prefill_at = None  # (rows [n], slots [W]) during a prefill
 
