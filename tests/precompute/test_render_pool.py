@@ -12,7 +12,8 @@ from dflash.config import PrecomputeConfig
 from dflash.errors import DFlashError
 from dflash.precompute.run import run_precompute
 from dflash.store import open_store
-from helpers import make_conversations_jsonl
+from dflash.store.manifest import shard_status
+from helpers import differing_files, make_conversations_jsonl
 
 
 def _cfg(target, data, out, **kw) -> PrecomputeConfig:
@@ -39,8 +40,9 @@ def test_workers_write_the_store_inline_rendering_writes(tmp_path, tiny_target, 
     assert len(want) == 23
     assert sorted(got) == sorted(want)
     assert [sid for sid in want if got[sid] != want[sid]] == []
-    status = json.loads((tmp_path / "pool" / "shard-00000" / "status.json").read_text())
-    assert status["render_workers"] == 2
+    assert shard_status(tmp_path / "pool", 0)["render_workers"] == 2
+    # a store is a function of its inputs: the workers change how it is made, not one byte of it
+    assert differing_files(tmp_path / "inline", tmp_path / "pool") == []
 
 
 def test_a_row_a_worker_cannot_render_names_the_row(tmp_path, tiny_target):
