@@ -35,9 +35,8 @@ from dflash.precompute.badrows import REPORT, check_rows
 from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, raise_failure, supervise
-from dflash.store import create_or_check_manifest, read_manifest
+from dflash.store import create_or_check_manifest, read_manifest, runinfo
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
-from dflash.store import runinfo
 from dflash.store.parts import Part, held_keys, read_parts
 from dflash.target_model.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target_model.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash

@@ -30,7 +30,8 @@ RUNS = "precompute.jsonl"
 DATA_STATS = ("status", "num_samples", "num_tokens", "num_supervised", "rows", "skipped", "cut_away", "truncated")
 # Options of `dflash precompute` that change how a run goes but not the bytes it writes (or that name the
 # store itself): recorded per run here, left out of the manifest's precompute_config.
-RUN_OPTIONS = ("out", "gpus", "render_workers", "writer", "overwrite", "restart_changed", "append")
+RUN_OPTIONS = ("out", "gpus", "render_workers", "writer", "commit_every_tokens", "overwrite", "restart_changed",
+               "append")
 
 
 def run_dir(store: str | os.PathLike) -> Path:
