@@ -348,12 +348,13 @@ def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if dev.type == "cpu":
         torch.set_num_threads(cpu_threads(world))
-        deterministic_kernels()
+    restore_kernels = deterministic_kernels(on=dev.type == "cpu")
     try:
         if isinstance(run, TrainConfig):
             run = resolved_by_rank0(run, rank, world)
         with StepGC(run.cfg.systems.gc_every) as step_gc:
             return Trainer(run, dev, rank, world, step_gc).train()
     finally:
+        restore_kernels()
         if dist.is_initialized():
             dist.destroy_process_group()
