@@ -15,7 +15,7 @@ rate is the most the store path can take: a capture faster than it waits for the
 Reported: the wall time from the first submit to the end of finalize (`tok_per_s`, `mb_per_s` of stored
 bytes), the time `submit()` spent copying into the write slots (on a GPU: queuing the device-to-host
 copies) and waiting for a free slot (`stall_s`: a capture would have waited that long), and the writer's
-own per-stage seconds (`writer_s`, from the shard's status.json: ShardWriter.stage_times) and, with the writer
+own per-stage seconds (`writer_s`, from the shard's status: ShardWriter.stage_times) and, with the writer
 process, its CPU seconds (`writer_cpu_s`, start-up included) per GB stored.
 """
 
