@@ -17,7 +17,7 @@ on the device, each after a warm-up pass over a few batches and timed with a syn
 Rates count real (unpadded) tokens.  With --cli, the command itself runs too, once per budget: `dflash
 precompute` (a subprocess, one shard on this device, the same rows, layers, top-k, max length and budget)
 into a temporary store; `cli_tok_per_s` is the shard's new tokens over its `loop_s` (rendering + capture +
-writes, start-up excluded, from status.json), and the result keeps the shard's `writer_s` (the writer's
+writes, start-up excluded, from the shard's status), and the result keeps the shard's `writer_s` (the writer's
 seconds per stage), `writer_cpu_s`, `write_stall_s` (the capture waiting for the writer) and
 `render_workers`.  Ratios: capture and cli over the decoder forward and over the forward with its lm_head.
 """
@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from common import QWEN3_8B  # noqa: E402
 from dflash.chat import conversation_of, load_rows, render  # noqa: E402
 from dflash.precompute.shard import WINDOW, plan_batches  # noqa: E402
+from dflash.store.manifest import shard_status  # noqa: E402
 from dflash.target_model.capture import Capture, load_target, load_tokenizer  # noqa: E402
 from dflash.target_model.files import default_target_layers  # noqa: E402
 
@@ -132,7 +133,7 @@ def run_cli(a, budget: int, layer_ids: list[int], device) -> dict:
         wall = time.perf_counter() - t0
         if done.returncode:
             raise RuntimeError(f"dflash precompute failed ({done.returncode}):\n{done.stderr[-4000:]}")
-        st = json.loads((tmp / "store" / "shard-00000" / "status.json").read_text())
+        st = shard_status(tmp / "store", 0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     keep = ("loop_s", "new_tokens", "new_samples", "render_workers", "write_stall_s", "writer_s", "writer_cpu_s",

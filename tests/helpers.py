@@ -229,3 +229,12 @@ def build_store(out, target, data, **overrides) -> Path:
     kw.update(overrides)
     run_precompute(PrecomputeConfig(**kw))
     return Path(out)
+
+
+def differing_files(a, b) -> list[str]:
+    """The files (paths relative to `a` and `b`) whose bytes differ between two directory trees, or that
+    only one of them has: [] when the trees are byte for byte the same."""
+    a, b = Path(a), Path(b)
+    names = {str(p.relative_to(root)) for root in (a, b) for p in root.rglob("*") if p.is_file()}
+    return sorted(n for n in names if not ((a / n).is_file() and (b / n).is_file()
+                                            and (a / n).read_bytes() == (b / n).read_bytes()))

@@ -178,7 +178,7 @@ def engine_config(cfg) -> dict:
 
 def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None) -> Path:
     """Write `drafter` as a DFlashDraftModel directory at `out`, atomically."""
-    from safetensors.torch import save_file
+    from dflash.train.checkpoint import save_safetensors
 
     out = Path(out)
     cfg = drafter.config
@@ -196,7 +196,7 @@ def export_drafter(drafter, out, dtype: torch.dtype = torch.bfloat16, metadata: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
+        save_safetensors(tensors, tmp / "model.safetensors", {"format": "pt", **(metadata or {})})
         (tmp / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
         for f in ("model.safetensors", "config.json"):
             os.chmod(tmp / f, 0o644)  # safetensors writes 0600; an export is read by serving engines

@@ -9,7 +9,6 @@ anywhere redoes exactly what the interrupted run had left.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,8 +55,7 @@ def unfinished(out: Path, parts: list[P.Part]) -> list[P.Part]:
 
 
 def _dataset_info(cfg: PrecomputeConfig, counts: dict) -> dict:
-    return {"dataset": portable(cfg.data, cfg.out), "split": cfg.split, "max_samples": cfg.max_samples,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), **counts}
+    return {"dataset": portable(cfg.data, cfg.out), "split": cfg.split, "max_samples": cfg.max_samples, **counts}
 
 
 def first_part(cfg: PrecomputeConfig, out: Path, rows: DatasetKeys, num_shards: int) -> P.Part:

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -34,7 +35,7 @@ from dflash.precompute.badrows import REPORT, check_rows
 from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, raise_failure, supervise
-from dflash.store import create_or_check_manifest, read_manifest
+from dflash.store import create_or_check_manifest, read_manifest, runinfo
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
 from dflash.store.parts import Part, held_keys, read_parts
 from dflash.target_model.capture import check_config_matches_weights, check_layers, load_tokenizer
@@ -121,7 +122,9 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Da
         "max_length": cfg.max_length,
         **({"final_hidden": True} if cfg.final_hidden else {}),  # absent = off, as in stores made before it
         "num_shards": num_shards,
-        "precompute_config": to_dict(cfg),
+        # what decides the store's bytes; how this run went (workers, devices, the store's own path) is in
+        # its run record beside the store (dflash/store/runinfo.py)
+        "precompute_config": {k: v for k, v in to_dict(cfg).items() if k not in runinfo.RUN_OPTIONS},
     }
     return manifest, layer_ids, DatasetKeys(keys, fingerprint, bad)
 
@@ -339,5 +342,15 @@ def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) ->
     if not todo:
         print(f"precompute: store {out} is already complete ({tot['num_samples']} samples); nothing to do.", flush=True)
     else:
+        _record_run(cfg, out, t0, todo, tot)
         _print_summary(out, tot, cfg.max_length)
     return tot
+
+
+def _record_run(cfg: PrecomputeConfig, out: Path, t0: float, parts: list[Part], tot: dict) -> None:
+    """One line of the store's run history (beside the store: when, where, how, how fast)."""
+    stamp = lambda t: datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")  # noqa: E731
+    options = to_dict(cfg)
+    runinfo.record_run(out, {"started": stamp(t0), "finished": stamp(time.time()), "host": socket.gethostname(),
+                             "pid": os.getpid(), "options": {k: options[k] for k in runinfo.RUN_OPTIONS},
+                             "parts": [p.index for p in parts], **tot})

@@ -4,7 +4,9 @@
 the shard processes start).  It never changes afterwards, so shard processes never race on it: each
 shard's status lives in its own file, `STORE/shard-00000/status.json`, written atomically (tmp + fsync +
 os.replace) by the one process that owns that shard.  `read_manifest` returns the merged view (the
-manifest with `shards` overlaid by the status files); that view is what `open_store(...).manifest` is.
+manifest with `shards` overlaid by the status files, and by each shard's run statistics kept beside the
+store, dflash/store/runinfo.py); that view is what `open_store(...).manifest` is.  Neither file holds a
+time, host or rate: the same inputs give the same bytes.
 A grown store (dflash/store/parts.py) adds, in that view, `parts` (one summary per part, part 0 the
 manifest's own dataset) and counts `num_shards` over all parts; manifest.json itself describes part 0.
 
@@ -28,11 +30,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 from dflash.errors import StoreError
 from dflash.store import parts as P
+from dflash.store import runinfo
 from dflash.store.durable import atomic_write_bytes, disk_full_error, fsync_dir, is_disk_full, read_json
 
 __all__ = ["atomic_write_bytes", "disk_full_error", "fsync_dir", "is_disk_full"]  # (durable's, re-exported)
@@ -145,8 +147,8 @@ def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, over
             f"{root} exists, is not empty and has no {MANIFEST}; it is not a dflash store. Choose another "
             "--out, or pass --overwrite to delete it and start over."
         )
+    runinfo.forget(root)  # the record of a store deleted before (by --overwrite, or by hand) is not this one's
     m = {"format_version": FORMAT_VERSION, **manifest}
-    m.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S"))
     n = int(m.get("num_shards") or 0)
     m["shards"] = {shard_name(i): {"status": "pending"} for i in range(n)}
     root.mkdir(parents=True, exist_ok=True)
@@ -155,19 +157,27 @@ def create_or_check_manifest(store_path: str | os.PathLike, manifest: dict, over
 
 
 def mark_shard(store_path: str | os.PathLike, shard: int, status: str, stats: dict | None = None) -> None:
-    """Record a shard's status (and free-form stats) in its own status file; one writer per shard."""
+    """Record a shard's status (and free-form stats) in its own status file; one writer per shard.  Stats
+    the data does not decide (timings, rates, the device) go beside the store (runinfo.py)."""
     d = Path(store_path) / shard_name(shard)
     d.mkdir(parents=True, exist_ok=True)
-    body = {"status": status, "updated": time.strftime("%Y-%m-%dT%H:%M:%S"), **(stats or {})}
+    data, run = runinfo.split_stats(stats or {})
+    if run:
+        runinfo.write_shard_run(store_path, shard_name(shard), run)
+    body = {**data, "status": status}
     atomic_write_bytes(d / STATUS, (json.dumps(body, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
 def shard_status(store_path: str | os.PathLike, shard: int) -> dict:
+    """The shard's status file, with its latest run's statistics (runinfo.py) merged in."""
     p = Path(store_path) / shard_name(shard) / STATUS
     try:
-        return read_json(p)
+        status = read_json(p)
     except FileNotFoundError:
         return {"status": "pending"}
+    if status.get("status") != "complete":  # its run statistics are written when it completes
+        return status
+    return {**runinfo.read_shard_run(store_path, shard_name(shard)), **status}
 
 
 def read_manifest(store_path: str | os.PathLike) -> dict:

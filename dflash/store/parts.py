@@ -8,7 +8,8 @@ part before any of its shards starts, atomically (tmp + fsync + rename), and is 
     columns   key (16 bytes: dflash.chat.conversation_key), row (its row in the part's dataset)
               - the conversations the part covers, each once, in row order
     metadata  "part": JSON {index, first_shard, num_shards, id_base, dataset_fingerprint, dataset,
-              num_rows, duplicates, already_stored, created}
+              num_rows, duplicates, already_stored} (no time: when it was made is in the store's run
+              record, dflash/store/runinfo.py)
 
 Shard `first_shard + j` of a part captures the part's rows `j::num_shards`, and stores row r as sample
 id `id_base + r`; `id_base` is past every id an earlier part can use (its id_base + num_rows), so ids
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +45,7 @@ class Part:
     id_base: int
     dataset_fingerprint: str
     num_rows: int  # rows of the part's dataset (its ids span id_base .. id_base + num_rows)
-    info: dict = field(default_factory=dict, compare=False)  # dataset path, counts, created
+    info: dict = field(default_factory=dict, compare=False)  # dataset path, counts
 
     @property
     def shards(self) -> range:
@@ -128,7 +128,7 @@ def write_part(root: str | os.PathLike, part: Part, keys: list[bytes], rows: np.
     """Record `part` (covering `keys` at dataset `rows`) atomically; the commit point of an append."""
     if len(keys) != len(rows):
         raise ValueError("one key per row")
-    meta = {**part.summary(), "created": part.info.get("created") or time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = part.summary()
     table = pa.table({"key": pa.array(keys, type=pa.binary(KEY_BYTES)),
                       "row": pa.array(np.asarray(rows, dtype=np.int64))})
     table = table.replace_schema_metadata({"part": json.dumps(meta, sort_keys=True)})

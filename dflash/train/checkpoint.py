@@ -102,6 +102,24 @@ def check_safetensors(path: str | Path) -> None:
         )
 
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, with the header's `__metadata__` keys in sorted order: safetensors writes them
+    in hash-map order, which changes from process to process, so the same tensors would give other bytes."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "rb+") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        # the same keys and values in another order: as long as the original, or shorter and padded
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) <= n:
+            f.seek(8)
+            f.write(text.ljust(n, b" "))
+
+
 def _write_json(path: Path, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True, default=str)
@@ -119,8 +137,6 @@ def save_checkpoint(
     keep: int = 2,
 ) -> Path:
     """Write one checkpoint atomically (call on rank 0 only) and prune all but the newest `keep`."""
-    from safetensors.torch import save_file
-
     final = checkpoint_path(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -129,7 +145,7 @@ def save_checkpoint(
     tmp.mkdir()
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
+        save_safetensors(tensors, tmp / "model.safetensors", {"format": "pt", "step": str(step)})
         with open(tmp / "model.safetensors", "rb+") as f:
             os.fsync(f.fileno())
         _write_json(tmp / "config.json", drafter_config)
@@ -294,4 +310,5 @@ __all__ = [
     "load_checkpoint",
     "load_latest",
     "check_safetensors",
+    "save_safetensors",
 ]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.config import TrainConfig
-from dflash.cpu_threads import cpu_threads
+from dflash.cpu_threads import cpu_threads, deterministic_kernels
 from dflash.errors import ConfigError
 from dflash.hostgc import StepGC
 from dflash.train import checkpoint as ckpt
@@ -360,6 +360,7 @@ def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if dev.type == "cpu":
         torch.set_num_threads(cpu_threads(world))
+    restore_kernels = deterministic_kernels(on=dev.type == "cpu")
     try:
         if isinstance(run, TrainConfig):
             run = resolved_by_rank0(run, rank, world)
@@ -371,5 +372,6 @@ def run_training(run: ResolvedRun | TrainConfig, device: str = "cpu") -> dict | 
                 trainer.stop_loader()
                 raise
     finally:
+        restore_kernels()
         if dist.is_initialized():
             dist.destroy_process_group()

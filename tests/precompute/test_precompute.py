@@ -21,7 +21,7 @@ from dflash.precompute.run import run_precompute
 from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
 from dflash.target_model.capture import load_target, load_tokenizer
-from helpers import build_store, make_conversations, make_conversations_jsonl, make_tiny_target
+from helpers import build_store, differing_files, make_conversations, make_conversations_jsonl, make_tiny_target
 from processes import Same, committed, run_cli, slow_writes, store_arrays
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
@@ -165,6 +165,7 @@ def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, target
     assert rc == 0, err
     assert f"{len(ref_arrays)} samples" in out
     assert store_arrays(store) == Same(ref_arrays)
+    assert differing_files(ref, store) == []  # every file, manifest and status included: the same bytes
     res = CliRunner().invoke(main, ["verify", str(store)])
     assert res.exit_code == 0 and "OK" in res.output, res.output
     res = CliRunner().invoke(main, ["precompute", *args])

@@ -31,17 +31,10 @@ DFLASH = str(Path(sys.executable).with_name("dflash"))
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    """Every file of a store but those with timestamps (status.json, manifest.json, the part records, whose
-    rows are compared instead)."""
-    from dflash.store.parts import part_rows, read_parts
-
-    files = {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name not in ("status.json", "manifest.json") and not p.name.startswith(".lock")
-        and p.parent.name != "parts"
-    }
-    return {**files, **{f"part {q.index} rows": part_rows(root, q.index).tobytes() for q in read_parts(root)}}
+    """Every file of a store (but the shard lock), byte for byte: a store holds no time, host or rate, so the
+    same inputs give the same bytes (its run record is beside it, dflash/store/runinfo.py)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(".lock")}
 
 
 def _cfg(target, data, out, **kw) -> PrecomputeConfig:

@@ -12,7 +12,9 @@ from dflash.config import PrecomputeConfig
 from dflash.errors import DFlashError
 from dflash.precompute.run import run_precompute
 from dflash.store import open_store
-from helpers import make_conversations_jsonl
+from dflash.store.manifest import shard_status
+from dflash.store.runinfo import read_runs
+from helpers import differing_files, make_conversations_jsonl
 
 
 def _cfg(target, data, out, **kw) -> PrecomputeConfig:
@@ -39,8 +41,16 @@ def test_workers_write_the_store_inline_rendering_writes(tmp_path, tiny_target, 
     assert len(want) == 23
     assert sorted(got) == sorted(want)
     assert [sid for sid in want if got[sid] != want[sid]] == []
+    assert shard_status(tmp_path / "pool", 0)["render_workers"] == 2
+    # a store is a function of its inputs: the workers change how it is made, not one byte of it; how it
+    # was made is recorded beside it
+    assert differing_files(tmp_path / "inline", tmp_path / "pool") == []
     status = json.loads((tmp_path / "pool" / "shard-00000" / "status.json").read_text())
-    assert status["render_workers"] == 2
+    assert status == {"status": "complete", "num_samples": 23, "num_tokens": status["num_tokens"],
+                      "num_supervised": status["num_supervised"], "rows": 23, "skipped": 0, "cut_away": 0,
+                      "truncated": status["truncated"]}
+    (run,) = read_runs(tmp_path / "pool")
+    assert run["options"]["render_workers"] == 2 and run["num_samples"] == 23 and run["wall_s"] > 0
 
 
 def test_a_row_a_worker_cannot_render_names_the_row(tmp_path, tiny_target):

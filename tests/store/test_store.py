@@ -437,12 +437,8 @@ def _start(ctx, root, block_at="", pace=0.0):
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    # status.json carries timestamps and manifest.json its creation time; everything else must match
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name not in ("status.json", "manifest.json")
-    }
+    # every file, status.json and manifest.json included: a store holds no time, so nothing may differ
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _check_committed(root: Path) -> None:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError, StoreError
 from dflash.train.launch import launch_train
+from helpers import differing_files
 
 pytestmark = pytest.mark.slow
 
@@ -230,6 +231,25 @@ def test_kill_and_resume_is_exact(counting, tmp_path):
     for (s, l1, t1), (_, l2, t2) in zip(expected, got):
         assert l1 == pytest.approx(l2, rel=1e-6, abs=1e-7), f"step {s}"
         assert t1 == pytest.approx(t2, rel=1e-9), f"step {s}"
+
+
+def test_the_same_run_twice_writes_the_same_bytes(counting, tmp_path, monkeypatch):
+    """A CPU run is a function of its inputs: the same command in two directories (two clones of a DVC
+    project) writes byte-identical checkpoints, safetensors headers included, and curves.csv, and leaves
+    deterministic kernels as it found them; metrics.json differs only in tokens/s, which is why dvc.yaml
+    hashes neither it nor the TensorBoard events."""
+    target, store = counting
+    for clone in ("a", "b"):
+        (tmp_path / clone).mkdir()
+        monkeypatch.chdir(tmp_path / clone)
+        launch_train(_cfg(target, store, "run", steps=4, save_every=2))
+        assert not torch.are_deterministic_algorithms_enabled()
+    a, b = tmp_path / "a" / "run", tmp_path / "b" / "run"
+    assert len(list(a.glob("checkpoints/*/model.safetensors"))) == 2
+    assert differing_files(a / "checkpoints", b / "checkpoints") == []
+    assert (a / "curves.csv").read_bytes() == (b / "curves.csv").read_bytes()
+    ma, mb = (json.loads((r / "metrics.json").read_text()) for r in (a, b))
+    assert ma.pop("tokens_per_s") > 0 and mb.pop("tokens_per_s") > 0 and ma == mb and ma["steps"] == 4
 
 
 def test_mismatched_store_is_refused(counting, tmp_path):
