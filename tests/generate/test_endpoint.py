@@ -63,9 +63,23 @@ def cfg(**kw) -> GenerateConfig:
     return GenerateConfig(**base)
 
 
+def require_listed_model(url: str) -> None:
+    """These tests need a server that names the model it serves at /v1/models. `transformers serve` of
+    releases before ~5.2x answers there with an error or lists nothing, and dflash then asks for --model;
+    CI installs the newest release, which lists its model."""
+    r = httpx.get(url + "/v1/models", timeout=30)
+    try:
+        listed = r.json().get("data") if r.status_code == 200 else None
+    except ValueError:
+        listed = None
+    if not listed:
+        pytest.skip(f"this `transformers serve` lists no models at /v1/models (HTTP {r.status_code})")
+
+
 @pytest.mark.slow
 def test_transformers_serve_gives_the_in_process_responses(tmp_path, server, long_llama):
     url, model = server
+    require_listed_model(url)
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", 6, max_words=6)
     local, remote = tmp_path / "local.jsonl", tmp_path / "remote.jsonl"
     run_generate(cfg(target=long_llama, data=data, out=local))
@@ -77,6 +91,7 @@ def test_transformers_serve_gives_the_in_process_responses(tmp_path, server, lon
 @pytest.mark.slow
 def test_unknown_model_and_dead_server_are_refused_before_anything_is_written(tmp_path, server):
     url, model = server
+    require_listed_model(url)
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", 2)
     out = tmp_path / "out.jsonl"
     with pytest.raises(ConfigError, match=r"--model 'nope' is not served by .*lists '"):
