@@ -139,4 +139,17 @@ class DrafterFamily:
         return 0.0, True
 
 
-__all__ = ["DrafterFamily", "LossInputs", "StoreNeeds"]
+def lazy_attributes(module: str) -> Callable[[str], Any]:
+    """A family package's module-level `__getattr__`: its model's names load from `module` on first use, so
+    that importing the package (as the config loader does, through the registry) never imports torch."""
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
+
+
+__all__ = ["DrafterFamily", "LossInputs", "StoreNeeds", "lazy_attributes"]

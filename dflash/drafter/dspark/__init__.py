@@ -10,14 +10,9 @@ which reads FAMILY through the registry, never imports torch.
 """
 
 from dflash.drafter.dspark.family import FAMILY
+from dflash.drafter.family import lazy_attributes
 
-
-def __getattr__(name: str):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    import dflash.drafter.dspark.model as model
-
-    return getattr(model, name)
+__getattr__ = lazy_attributes("dflash.drafter.dspark.model")
 
 
 __all__ = ["FAMILY"]
