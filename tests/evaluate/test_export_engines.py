@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from dflash.errors import ConfigError
+from processes import invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 DFLASH = [sys.executable, "-m", "dflash.cli"]
@@ -137,9 +138,8 @@ def test_export_refuses_what_the_engines_cannot_serve(target, tmp_path, ids, mat
 def test_export_refusal_on_the_command_line(target, tmp_path):
     ckpt = _checkpoint(tmp_path, target, _drafter(target, [1, 3]))
     match = "last layer 3"
-    p = subprocess.run(DFLASH + ["export", str(ckpt), str(tmp_path / "export")], env=_env(), capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode == 1 and "Traceback" not in p.stderr and match in p.stderr
+    rc, _, err = invoke([ckpt, tmp_path / "export"], command="export")
+    assert rc == 1 and match in err and not (tmp_path / "export").exists()
 
 
 def test_export_refuses_inconsistent_eagle_ids(target, tmp_path):
@@ -217,16 +217,13 @@ def test_sliding_training_through_the_cli_resume_export_check(tiny_store, tmp_pa
     assert any("eval_tau" in m for m in metrics)  # held-out tau ran through the sliding masks
     # A changed choice is refused on resume; the same one continues.
     changed = [a if a != "12" else "16" for a in args]
-    p = subprocess.run(DFLASH + changed + ["--steps", "3", "--resume"], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 1 and "different drafter" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run(DFLASH + args + ["--steps", "3", "--resume"], env=_env(), cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run(DFLASH + ["export", str(run), str(tmp_path / "export"), "--check"], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "round trip ok" in p.stdout
+    rc, _, err = invoke(changed[1:] + ["--steps", "3", "--resume"], command="train")
+    assert rc == 1 and "different drafter" in err
+    rc, _, err = invoke(args[1:] + ["--steps", "3", "--resume"], command="train")
+    assert rc == 0, err[-3000:]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    rc, out, err = invoke([run, tmp_path / "export", "--check"], command="export")
+    assert rc == 0 and "round trip ok" in out, err
     hf = json.loads((tmp_path / "export" / "config.json").read_text())
     assert hf["layer_types"] == ["sliding_attention", "full_attention"] and hf["sliding_window"] == 12
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 3]
