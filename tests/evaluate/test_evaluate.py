@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helpers import make_conversations_jsonl, make_tiny_target
+from processes import invoke
 
 B = 8
 
@@ -227,10 +228,8 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
         assert (out.parent / png).read_bytes()[:4] == b"\x89PNG"
 
     # Default output: RUN/eval.json; a missing run is a one-paragraph error, not a traceback.
-    proc = subprocess.run([sys.executable, "-m", "dflash.cli", "eval", "--run", str(tmp_path / "nope"),
-                           "--store", str(store_dir), "--no-plots"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "nope" in proc.stderr
+    rc, _, err = invoke(["--run", tmp_path / "nope", "--store", store_dir, "--no-plots"], command="eval")
+    assert rc == 1 and "nope" in err, err
 
 
 def test_drafting_in_the_loop_matches_the_training_forward(setup):

@@ -4,7 +4,6 @@ drafter, and real runs whose checkpoints, export, held-out eval and resume carry
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -96,21 +95,18 @@ def test_state_dict_round_trip_leaves_the_weights_alone():
     assert again.names == ema.names and all(torch.equal(a, b) for a, b in zip(again.shadow, ema.shadow))
 
 
-def test_decay_is_checked_and_off_by_default(tmp_path):
-    import subprocess
-    import sys
-
+def test_decay_is_checked_and_off_by_default(tmp_path, monkeypatch):
     from dflash.fields import check_rules
+    from processes import invoke
 
     assert TrainConfig().optim.ema_decay == 0.0
     check_rules(TrainConfig(ema_decay=0.999).optim.rules())
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match=r"--ema-decay .* is outside \[0, 1\)"):
             check_rules(TrainConfig(ema_decay=bad).optim.rules())
-    p = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--store", "s", "--target", "t", "--out", "o",
-                        "--ema-decay", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert p.returncode != 0 and "--ema-decay 1.0 is outside [0, 1)" in p.stderr
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = invoke(["--store", "s", "--target", "t", "--out", "o", "--ema-decay", "1"], command="train")
+    assert rc == 1 and "--ema-decay 1.0 is outside [0, 1)" in err, err
     assert not (tmp_path / "o").exists()
 
 
