@@ -76,16 +76,16 @@ def run_cli(args, env=None, kill_when=None, timeout=120, command="precompute", o
     return p.returncode, "", str(len(family))  # stderr is not read after a kill: the number of its descendants
 
 
-def invoke(args, command="precompute") -> tuple[int, str, str]:
-    """`dflash COMMAND ARGS` in this process, through the same click command line: (exit status, stdout,
-    stderr), without a new interpreter's start-up.  For what a command checks before it starts any work;
-    an exception the command does not turn into its one-paragraph message (a traceback on a real command
-    line) is raised here, and fails the test."""
+def invoke(args, command: str | None = "precompute") -> tuple[int, str, str]:
+    """`dflash COMMAND ARGS` (`dflash ARGS` with command None) in this process, through the same click
+    command line: (exit status, stdout, stderr), without a new interpreter's start-up.  For what a command
+    checks before it starts any work; an exception the command does not turn into its one-paragraph message
+    (a traceback on a real command line) is raised here, and fails the test."""
     from click.testing import CliRunner
 
     from dflash.cli import main
 
-    r = CliRunner().invoke(main, [command, *map(str, args)])
+    r = CliRunner().invoke(main, [*([command] if command else []), *map(str, args)])
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return r.exit_code, r.stdout, r.stderr
