@@ -11,7 +11,7 @@ import pytest
 from dflash.precompute.badrows import REPORT
 from dflash.store import open_store, verify_store
 from helpers import build_store, make_conversations, make_tiny_target
-from processes import run_cli, store_arrays
+from processes import invoke, run_cli, store_arrays
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +109,13 @@ def test_bad_rows_are_left_out_listed_and_a_rerun_and_an_append_keep_the_store(t
     for a, b in zip(sorted(got), sorted(want)):
         assert all(np.array_equal(got[a][k], want[b][k]) for k in want[b])
     before = (store / REPORT).read_bytes()
-    rc, out, err = run_cli(_args(picky, data, store, "--skip-bad-rows"))
+    rc, out, err = invoke(_args(picky, data, store, "--skip-bad-rows"))  # the reruns in process
     assert rc == 0 and "already complete" in out, err
     assert store_arrays(store).keys() == got.keys() and (store / REPORT).read_bytes() == before
 
     grown = _data(tmp_path / "grown.jsonl", good + make_conversations(2, seed=9),
                   {**bad, CUT_AT: cut, 14: {"messages": []}})
-    rc, out, err = run_cli(_args(picky, grown, store, "--skip-bad-rows", "--append"))
+    rc, out, err = invoke(_args(picky, grown, store, "--skip-bad-rows", "--append"))
     assert rc == 0, err
     report = _report(store)
     assert [r["part"] for r in report] == [0] * 6 + [1] * 6, report
