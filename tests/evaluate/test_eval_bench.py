@@ -285,6 +285,6 @@ def test_an_unknown_prompt_set_on_the_command_line_is_one_paragraph_before_any_l
     from processes import invoke
 
     rc, _, err = invoke(["--run", tmp_path / "no-run", "--bench", "mt-bench,gsm8k", "--bench-cache",
-                         tmp_path / "cache"], command="eval")
+                         tmp_path / "cache"], command="eval", cwd=tmp_path)
     assert rc != 0 and "--bench gsm8k" in err and "mt-bench, humaneval" in err, err
     assert not (tmp_path / "cache").exists()  # nothing fetched for a command that cannot run

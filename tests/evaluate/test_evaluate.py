@@ -228,7 +228,7 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
         assert (out.parent / png).read_bytes()[:4] == b"\x89PNG"
 
     # Default output: RUN/eval.json; a missing run is a one-paragraph error, not a traceback.
-    rc, _, err = invoke(["--run", tmp_path / "nope", "--store", store_dir, "--no-plots"], command="eval")
+    rc, _, err = invoke(["--run", tmp_path / "nope", "--store", store_dir, "--no-plots"], command="eval", cwd=tmp_path)
     assert rc == 1 and "nope" in err, err
 
 

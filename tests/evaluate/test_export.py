@@ -135,7 +135,7 @@ def test_export_command_line_and_errors(run, tmp_path):
     run_dir, _, _, _ = run
 
     def dflash(*args):
-        rc, out, err = invoke(args, command="export")
+        rc, out, err = invoke(args, command="export", cwd=tmp_path)
         return rc, out, " ".join(err.split())
 
     out = tmp_path / "served"

@@ -138,7 +138,7 @@ def test_export_refuses_what_the_engines_cannot_serve(target, tmp_path, ids, mat
 def test_export_refusal_on_the_command_line(target, tmp_path):
     ckpt = _checkpoint(tmp_path, target, _drafter(target, [1, 3]))
     match = "last layer 3"
-    rc, _, err = invoke([ckpt, tmp_path / "export"], command="export")
+    rc, _, err = invoke([ckpt, tmp_path / "export"], command="export", cwd=tmp_path)
     assert rc == 1 and match in err and not (tmp_path / "export").exists()
 
 
@@ -217,12 +217,12 @@ def test_sliding_training_through_the_cli_resume_export_check(tiny_store, tmp_pa
     assert any("eval_tau" in m for m in metrics)  # held-out tau ran through the sliding masks
     # A changed choice is refused on resume; the same one continues.
     changed = [a if a != "12" else "16" for a in args]
-    rc, _, err = invoke(changed[1:] + ["--steps", "3", "--resume"], command="train")
+    rc, _, err = invoke(changed[1:] + ["--steps", "3", "--resume"], command="train", cwd=tmp_path)
     assert rc == 1 and "different drafter" in err
-    rc, _, err = invoke(args[1:] + ["--steps", "3", "--resume"], command="train")
+    rc, _, err = invoke(args[1:] + ["--steps", "3", "--resume"], command="train", cwd=tmp_path)
     assert rc == 0, err[-3000:]
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
-    rc, out, err = invoke([run, tmp_path / "export", "--check"], command="export")
+    rc, out, err = invoke([run, tmp_path / "export", "--check"], command="export", cwd=tmp_path)
     assert rc == 0 and "round trip ok" in out, err
     hf = json.loads((tmp_path / "export" / "config.json").read_text())
     assert hf["layer_types"] == ["sliding_attention", "full_attention"] and hf["sliding_window"] == 12

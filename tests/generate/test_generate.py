@@ -236,7 +236,7 @@ def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, lon
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert not out.exists()
-    rc, stdout, stderr = invoke(args, command="generate")  # the resuming run in process
+    rc, stdout, stderr = invoke(args, command="generate", cwd=tmp_path)  # the resuming run in process
     assert rc == 0, stderr
     assert "resuming" in stdout
     assert out.read_bytes() == ref.read_bytes()

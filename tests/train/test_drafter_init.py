@@ -125,7 +125,8 @@ def test_a_gated_attention_target_is_refused_through_the_cli(tmp_path):
     (tmp_path / "none.yaml").write_text("{}\n")
     rc, _, err = invoke(["--config", tmp_path / "none.yaml", "--store", store, "--target", target,
                          "--out", tmp_path / "run", "--gpus", "cpu:1", "--num-layers", "1", "--block-size", "8",
-                         "--steps", "1", "--compile", "off", "--drafter-init", "target"], command="train")
+                         "--steps", "1", "--compile", "off", "--drafter-init", "target"], command="train",
+                        cwd=tmp_path)
     assert rc == 1
     err = err.strip()
     assert str(target / "model.safetensors") in err

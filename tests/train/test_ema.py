@@ -95,7 +95,7 @@ def test_state_dict_round_trip_leaves_the_weights_alone():
     assert again.names == ema.names and all(torch.equal(a, b) for a, b in zip(again.shadow, ema.shadow))
 
 
-def test_decay_is_checked_and_off_by_default(tmp_path, monkeypatch):
+def test_decay_is_checked_and_off_by_default(tmp_path):
     from dflash.fields import check_rules
     from processes import invoke
 
@@ -104,8 +104,8 @@ def test_decay_is_checked_and_off_by_default(tmp_path, monkeypatch):
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match=r"--ema-decay .* is outside \[0, 1\)"):
             check_rules(TrainConfig(ema_decay=bad).optim.rules())
-    monkeypatch.chdir(tmp_path)
-    rc, _, err = invoke(["--store", "s", "--target", "t", "--out", "o", "--ema-decay", "1"], command="train")
+    rc, _, err = invoke(["--store", "s", "--target", "t", "--out", "o", "--ema-decay", "1"], command="train",
+                        cwd=tmp_path)
     assert rc == 1 and "--ema-decay 1.0 is outside [0, 1)" in err, err
     assert not (tmp_path / "o").exists()
 

@@ -16,6 +16,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError, StoreError
 from dflash.train.launch import launch_train
 from helpers import differing_files
+from processes import invoke
 
 pytestmark = pytest.mark.slow
 
@@ -224,8 +225,8 @@ def test_kill_and_resume_is_exact(counting, tmp_path):
     assert killed_at < 16
 
     resume = _cfg(target, store, cfg.out, steps=16, save_every=4, resume=True)
-    p = subprocess.run(DFLASH + _args(resume, cwd), env=_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, _, err = invoke(_args(resume, cwd), command=None, cwd=cwd)  # the resuming run in process
+    assert rc == 0, err[-3000:]
     got = [(r["step"], r["loss"], r["tau"]) for r in _metrics(cfg.out)]
     assert [g[0] for g in got] == list(range(1, 17))
     for (s, l1, t1), (_, l2, t2) in zip(expected, got):
