@@ -116,10 +116,8 @@ N = 24  # steps of the real runs: enough that the average and the trained drafte
 
 
 @pytest.fixture(scope="module")
-def counting(tmp_path_factory):
-    from train_fixtures import build_counting_store
-
-    return build_counting_store(tmp_path_factory.mktemp("ema"), n=48)
+def counting(counting_store):
+    return counting_store
 
 
 def _cfg(target, store, out, **kw):

@@ -38,10 +38,8 @@ with open(os.environ["PATCHED_PIDS"], "a") as f:
 
 
 @pytest.fixture(scope="module")
-def counting(tmp_path_factory):
-    from train_fixtures import build_counting_store
-
-    return build_counting_store(tmp_path_factory.mktemp("train"), n=48)
+def counting(counting_store):
+    return counting_store
 
 
 def _cfg(target, store, out, **kw):
