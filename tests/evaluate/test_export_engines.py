@@ -1,6 +1,6 @@
 """What vLLM and SGLang read from an export (docs/DESIGN.md §2, §6, §9): layer types and window,
 eagle_aux_hidden_state_layer_ids, refusals of drafters they could not serve (at export and at train
-start), file modes, no paths of this machine; and a sliding-window drafter trained through the real CLI,
+start), file modes, no paths of this machine; and a sliding-window drafter trained through the command line,
 resumed, refused on a changed choice, exported and checked.
 
 Engine code read (search corpus `code`): vllm `vllm/model_executor/models/qwen3_dflash.py`
@@ -14,9 +14,6 @@ with window_left = sliding_window - 1).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,15 +22,6 @@ from safetensors import safe_open
 
 from dflash.errors import ConfigError
 from processes import invoke
-
-ROOT = Path(__file__).resolve().parents[2]
-DFLASH = [sys.executable, "-m", "dflash.cli"]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _drafter(target_dir, ids, layer_types=None, window=None, num_layers=2, B=8):
@@ -207,9 +195,8 @@ def test_sliding_training_through_the_cli_resume_export_check(tiny_store, tmp_pa
             "--block-size", "8", "--num-layers", "2", "--layer-types", "sliding,full", "--sliding-window", "12",
             "--token-budget", "256", "--num-anchors", "8", "--num-workers", "1", "--compile", "off",
             "--warmup-steps", "1", "--eval-every", "2", "--eval-store", str(store)]
-    p = subprocess.run(DFLASH + args + ["--steps", "2"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, _, err = invoke(args[1:] + ["--steps", "2"], command="train", cwd=tmp_path)
+    assert rc == 0, err[-3000:]
     record = json.loads((run / "config.json").read_text())
     assert record["drafter"]["layer_types"] == ["sliding_attention", "full_attention"]
     assert record["drafter"]["sliding_window"] == 12
