@@ -384,9 +384,7 @@ def test_fsdp2_matches_ddp(two_process_run, counting, tmp_path):
     target, store = counting
     ddp_cfg, _ = two_process_run
     cfg = _cfg(target, store, tmp_path / "run", gpus="cpu:2", steps=4, save_every=2, parallel="fsdp")
-    p = subprocess.run(DFLASH + _args(cfg, tmp_path / "cwd"), env=_env(), cwd=tmp_path / "cwd",
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    launch_train(cfg)  # launched from this process: its two training processes are spawned as from the CLI
     fsdp = [r["loss"] for r in _metrics(cfg.out)]
     ddp = [r["loss"] for r in _metrics(ddp_cfg.out)]
     assert len(fsdp) == 4 and fsdp == pytest.approx(ddp, rel=1e-4)
