@@ -42,7 +42,7 @@ def tiny_store(tmp_path_factory, tiny_target):
     """
     d = tmp_path_factory.mktemp("tiny_store")
     data = make_conversations_jsonl(d / "chats.jsonl", 24)
-    store = build_store(d / "store", tiny_target, data)
+    store = build_store(d / "store", tiny_target, data, writer="thread")
     return tiny_target, data, store
 
 

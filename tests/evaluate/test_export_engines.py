@@ -179,7 +179,8 @@ def test_train_start_refuses_layers_the_engines_cannot_serve(tiny_store, tmp_pat
     # precompute refuses these layers itself now; a store made before it did still reaches train
     monkeypatch.setattr(precompute_run, "engine_layer_problem", lambda ids, n: None)
     for ids, match in (([1, 3], "last layer 3"), ([2, 1], "ascending order")):
-        s = build_store(tmp_path / f"store-{ids[0]}{ids[1]}", target, data, target_layers=ids, max_samples=4, topk=0)
+        s = build_store(tmp_path / f"store-{ids[0]}{ids[1]}", target, data, target_layers=ids, max_samples=4, topk=0,
+                        writer="thread")
         with pytest.raises(ConfigError, match=match):
             preflight(_train_cfg(target, s, tmp_path / "run"))
     assert not (tmp_path / "run").exists()

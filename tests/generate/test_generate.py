@@ -157,7 +157,7 @@ def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_pat
         before = [json.loads(x) for x in data.read_text().splitlines()]
         after = [json.loads(x) for x in out.read_text().splitlines()]
         assert [set(r) for r in after] == [set(r) for r in before]
-    store = build_store(tmp_path / "store", tiny_target, tmp_path / "gen-messages.jsonl")
+    store = build_store(tmp_path / "store", tiny_target, tmp_path / "gen-messages.jsonl", writer="thread")
     from dflash.store import open_store
 
     assert len(open_store(store)) == 5

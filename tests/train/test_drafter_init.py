@@ -35,7 +35,7 @@ def qwen3(tmp_path_factory):
             if name.endswith("norm.weight"):
                 p.copy_(0.5 + torch.rand_like(p))
     model.save_pretrained(target)
-    return target, build_store(d / "store", target, make_conversations_jsonl(d / "chats.jsonl", 16))
+    return target, build_store(d / "store", target, make_conversations_jsonl(d / "chats.jsonl", 16), writer="thread")
 
 
 def _cfg(target, store, out, **kw):
@@ -121,7 +121,8 @@ def test_a_gated_attention_target_is_refused_through_the_cli(tmp_path):
     from target_families import make_family_target
 
     target = make_family_target(tmp_path, "qwen3_5_vl", num_layers=4)
-    store = build_store(tmp_path / "store", target, make_conversations_jsonl(tmp_path / "c.jsonl", 8), max_length=96)
+    store = build_store(tmp_path / "store", target, make_conversations_jsonl(tmp_path / "c.jsonl", 8), max_length=96,
+                        writer="thread")
     (tmp_path / "none.yaml").write_text("{}\n")
     rc, _, err = invoke(["--config", tmp_path / "none.yaml", "--store", store, "--target", target,
                          "--out", tmp_path / "run", "--gpus", "cpu:1", "--num-layers", "1", "--block-size", "8",

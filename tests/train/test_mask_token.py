@@ -46,7 +46,7 @@ def smol(tmp_path_factory):
 def _store(out, target, rows):
     data = Path(out).with_suffix(".jsonl")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return build_store(out, target, data, target_layers=[0], topk=2, max_length=128)
+    return build_store(out, target, data, target_layers=[0], topk=2, max_length=128, writer="thread")
 
 
 def test_train_picks_an_unused_code_marker_and_says_so(smol, tmp_path):
