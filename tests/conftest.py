@@ -42,8 +42,37 @@ def tiny_store(tmp_path_factory, tiny_target):
     """
     d = tmp_path_factory.mktemp("tiny_store")
     data = make_conversations_jsonl(d / "chats.jsonl", 24)
-    store = build_store(d / "store", tiny_target, data)
+    store = build_store(d / "store", tiny_target, data, writer="thread")
     return tiny_target, data, store
+
+
+def built_once(tmp_path_factory, name: str, build):
+    """`build(directory)` once for the whole run, not once per pytest-xdist worker: the workers share their
+    parent temporary directory, and the first to come builds under a lock while the others wait.  Return
+    what `build` returned (a JSON-able value).  Treat what it built as read-only."""
+    import fcntl
+    import json
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this run's, shared by its workers (basetemp is popen-gwN inside it)
+    done = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            done.write_text(json.dumps(build(root / name)))
+    return json.loads(done.read_text())
+
+
+@pytest.fixture(scope="session")
+def counting_store(tmp_path_factory):
+    """(target dir, store dir): train_fixtures.build_counting_store(n=48), the taught target; read-only."""
+    from pathlib import Path
+
+    from train_fixtures import build_counting_store
+
+    got = built_once(tmp_path_factory, "counting48", lambda d: [str(p) for p in build_counting_store(d, n=48)])
+    return tuple(Path(p) for p in got)
 
 
 @pytest.fixture

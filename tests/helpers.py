@@ -220,6 +220,9 @@ def build_store(out, target, data, **overrides) -> Path:
     """Run `dflash precompute` in-process on CPU (fp32 compute) and return the store path.
 
     Defaults: one shard, layers [1, 2], top-4, max_length 256; `overrides` are PrecomputeConfig fields.
+    A store that is only another stage's input takes writer="thread": the same bytes as the default writer
+    process (tests/precompute/test_precompute_pipeline.py), without starting that process (it imports torch
+    and zarr).
     """
     from dflash.config import PrecomputeConfig
     from dflash.precompute.run import run_precompute

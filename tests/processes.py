@@ -76,6 +76,26 @@ def run_cli(args, env=None, kill_when=None, timeout=120, command="precompute", o
     return p.returncode, "", str(len(family))  # stderr is not read after a kill: the number of its descendants
 
 
+def invoke(args, command: str | None = "precompute", cwd=None) -> tuple[int, str, str]:
+    """`dflash COMMAND ARGS` (`dflash ARGS` with command None) in this process, through the same click
+    command line, run in `cwd` (where a params.yaml would apply) as a subprocess would be: (exit status,
+    stdout, stderr), without a new interpreter's start-up.  An exception the command does not turn into its
+    one-paragraph message (a traceback on a real command line) is raised here, and fails the test."""
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    here = os.getcwd()
+    os.chdir(cwd or here)
+    try:
+        r = CliRunner().invoke(main, [*([command] if command else []), *map(str, args)])
+    finally:
+        os.chdir(here)
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r.exit_code, r.stdout, r.stderr
+
+
 def descendants(pid: int) -> list[int]:
     parent = {}
     for d in Path("/proc").iterdir():

@@ -65,5 +65,5 @@ def build_counting_store(tmp: Path, n: int = 48, layers=(1, 2), topk: int = 4, t
 
     run_precompute(PrecomputeConfig(target=str(target), data=str(data), out=str(store), shards=1, gpus="cpu",
                                     max_length=256, topk=topk, target_layers=list(layers), final_hidden=final_hidden,
-                                    hidden_dtype=hidden_dtype))
+                                    hidden_dtype=hidden_dtype, writer="thread"))
     return target, store

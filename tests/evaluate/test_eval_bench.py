@@ -282,14 +282,9 @@ def test_a_mismatch_is_named_by_question_category_and_turn(tiny, tmp_path, monke
 
 
 def test_an_unknown_prompt_set_on_the_command_line_is_one_paragraph_before_any_loading(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from processes import invoke
 
-    proc = subprocess.run([sys.executable, "-m", "dflash.cli", "eval", "--run", str(tmp_path / "no-run"),
-                           "--bench", "mt-bench,gsm8k", "--bench-cache", str(tmp_path / "cache")],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "--bench gsm8k" in proc.stderr and "mt-bench, humaneval" in proc.stderr, proc.stderr
+    rc, _, err = invoke(["--run", tmp_path / "no-run", "--bench", "mt-bench,gsm8k", "--bench-cache",
+                         tmp_path / "cache"], command="eval", cwd=tmp_path)
+    assert rc != 0 and "--bench gsm8k" in err and "mt-bench, humaneval" in err, err
     assert not (tmp_path / "cache").exists()  # nothing fetched for a command that cannot run

@@ -61,9 +61,15 @@ def _eval(tmp, chats, workers: int, out: str, *extra) -> dict:
 @pytest.fixture(scope="module")
 def one_process(run_dir):
     """`dflash eval --workers 1` writing its target-only reference (ref1.json): the result the workers must
-    give, and the reference the mismatch test doctors (one eval for both, not one each)."""
+    give, and the reference the mismatch test doctors (one eval for both, not one each).  One process: this
+    one's (the workers' runs are real subprocesses)."""
+    from processes import invoke
+
     tmp, chats = run_dir
-    return _eval(tmp, chats, 1, "one.json", "--reference", str(tmp / "ref1.json"))
+    rc, _, err = invoke(["--run", tmp / "run", "--prompts", chats, "--max-new-tokens", "20", "--no-plots",
+                         "--workers", "1", "--out", tmp / "one.json", "--reference", tmp / "ref1.json"],
+                        command="eval", cwd=tmp)
+    return {"rc": rc, "stderr": err, "result": json.loads((tmp / "one.json").read_text()) if rc == 0 else None}
 
 
 @pytest.mark.slow

@@ -9,9 +9,6 @@ target-only greedy decoding token for token.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,7 @@ import pytest
 import torch
 
 from helpers import make_conversations_jsonl, make_tiny_target
+from processes import invoke
 
 B = 8
 
@@ -207,18 +205,15 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
     run = tmp_path / "run"
     save_run(run, DFlashDrafter(cfg), target_dir)
     out = tmp_path / "eval" / "eval.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", "eval", "--run", str(run), "--store", str(store_dir),
-         "--prompts", str(chats), "--max-samples", "3", "--max-new-tokens", "24", "--out", str(out)],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    # in process (tests/evaluate/test_eval_workers.py runs the command as real processes)
+    rc, stdout, stderr = invoke(["--run", run, "--store", store_dir, "--prompts", chats, "--max-samples", "3",
+                                 "--max-new-tokens", "24", "--out", out], command="eval", cwd=tmp_path)
+    assert rc == 0, stderr
     result = json.loads(out.read_text())
     # each tau printed under its own name: the top-level JSON tau is the offline one
-    assert f"offline tau = {result['offline']['tau']:.3f} over 3 held-out samples" in proc.stdout, proc.stdout
-    assert f"online tau = {result['online']['tau']:.3f} over 3 prompts" in proc.stdout, proc.stdout
-    assert "lossless = True" in proc.stdout
+    assert f"offline tau = {result['offline']['tau']:.3f} over 3 held-out samples" in stdout, stdout
+    assert f"online tau = {result['online']['tau']:.3f} over 3 prompts" in stdout, stdout
+    assert "lossless = True" in stdout
     assert result["lossless"] is True and 1.0 <= result["tau"] <= B
     assert result["offline"]["num_samples"] == 3 and result["online"]["num_prompts"] == 3
     assert (out.parent / "acceptance.csv").read_text().splitlines()[0] == "position,acceptance"
@@ -227,10 +222,8 @@ def test_dflash_eval_command_writes_json_tables_and_plots(setup, tiny_store, tmp
         assert (out.parent / png).read_bytes()[:4] == b"\x89PNG"
 
     # Default output: RUN/eval.json; a missing run is a one-paragraph error, not a traceback.
-    proc = subprocess.run([sys.executable, "-m", "dflash.cli", "eval", "--run", str(tmp_path / "nope"),
-                           "--store", str(store_dir), "--no-plots"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=120)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "nope" in proc.stderr
+    rc, _, err = invoke(["--run", tmp_path / "nope", "--store", store_dir, "--no-plots"], command="eval", cwd=tmp_path)
+    assert rc == 1 and "nope" in err, err
 
 
 def test_drafting_in_the_loop_matches_the_training_forward(setup):

@@ -1,6 +1,6 @@
 """What vLLM and SGLang read from an export (docs/DESIGN.md §2, §6, §9): layer types and window,
 eagle_aux_hidden_state_layer_ids, refusals of drafters they could not serve (at export and at train
-start), file modes, no paths of this machine; and a sliding-window drafter trained through the real CLI,
+start), file modes, no paths of this machine; and a sliding-window drafter trained through the command line,
 resumed, refused on a changed choice, exported and checked.
 
 Engine code read (search corpus `code`): vllm `vllm/model_executor/models/qwen3_dflash.py`
@@ -14,9 +14,6 @@ with window_left = sliding_window - 1).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,15 +21,7 @@ import torch
 from safetensors import safe_open
 
 from dflash.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
-DFLASH = [sys.executable, "-m", "dflash.cli"]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
+from processes import invoke
 
 
 def _drafter(target_dir, ids, layer_types=None, window=None, num_layers=2, B=8):
@@ -137,9 +126,8 @@ def test_export_refuses_what_the_engines_cannot_serve(target, tmp_path, ids, mat
 def test_export_refusal_on_the_command_line(target, tmp_path):
     ckpt = _checkpoint(tmp_path, target, _drafter(target, [1, 3]))
     match = "last layer 3"
-    p = subprocess.run(DFLASH + ["export", str(ckpt), str(tmp_path / "export")], env=_env(), capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path)
-    assert p.returncode == 1 and "Traceback" not in p.stderr and match in p.stderr
+    rc, _, err = invoke([ckpt, tmp_path / "export"], command="export", cwd=tmp_path)
+    assert rc == 1 and match in err and not (tmp_path / "export").exists()
 
 
 def test_export_refuses_inconsistent_eagle_ids(target, tmp_path):
@@ -191,7 +179,8 @@ def test_train_start_refuses_layers_the_engines_cannot_serve(tiny_store, tmp_pat
     # precompute refuses these layers itself now; a store made before it did still reaches train
     monkeypatch.setattr(precompute_run, "engine_layer_problem", lambda ids, n: None)
     for ids, match in (([1, 3], "last layer 3"), ([2, 1], "ascending order")):
-        s = build_store(tmp_path / f"store-{ids[0]}{ids[1]}", target, data, target_layers=ids, max_samples=4, topk=0)
+        s = build_store(tmp_path / f"store-{ids[0]}{ids[1]}", target, data, target_layers=ids, max_samples=4, topk=0,
+                        writer="thread")
         with pytest.raises(ConfigError, match=match):
             preflight(_train_cfg(target, s, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
@@ -207,9 +196,8 @@ def test_sliding_training_through_the_cli_resume_export_check(tiny_store, tmp_pa
             "--block-size", "8", "--num-layers", "2", "--layer-types", "sliding,full", "--sliding-window", "12",
             "--token-budget", "256", "--num-anchors", "8", "--num-workers", "1", "--compile", "off",
             "--warmup-steps", "1", "--eval-every", "2", "--eval-store", str(store)]
-    p = subprocess.run(DFLASH + args + ["--steps", "2"], env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, _, err = invoke(args[1:] + ["--steps", "2"], command="train", cwd=tmp_path)
+    assert rc == 0, err[-3000:]
     record = json.loads((run / "config.json").read_text())
     assert record["drafter"]["layer_types"] == ["sliding_attention", "full_attention"]
     assert record["drafter"]["sliding_window"] == 12
@@ -217,16 +205,13 @@ def test_sliding_training_through_the_cli_resume_export_check(tiny_store, tmp_pa
     assert any("eval_tau" in m for m in metrics)  # held-out tau ran through the sliding masks
     # A changed choice is refused on resume; the same one continues.
     changed = [a if a != "12" else "16" for a in args]
-    p = subprocess.run(DFLASH + changed + ["--steps", "3", "--resume"], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 1 and "different drafter" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run(DFLASH + args + ["--steps", "3", "--resume"], env=_env(), cwd=tmp_path, capture_output=True,
-                       text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = subprocess.run(DFLASH + ["export", str(run), str(tmp_path / "export"), "--check"], env=_env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "round trip ok" in p.stdout
+    rc, _, err = invoke(changed[1:] + ["--steps", "3", "--resume"], command="train", cwd=tmp_path)
+    assert rc == 1 and "different drafter" in err
+    rc, _, err = invoke(args[1:] + ["--steps", "3", "--resume"], command="train", cwd=tmp_path)
+    assert rc == 0, err[-3000:]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    rc, out, err = invoke([run, tmp_path / "export", "--check"], command="export", cwd=tmp_path)
+    assert rc == 0 and "round trip ok" in out, err
     hf = json.loads((tmp_path / "export" / "config.json").read_text())
     assert hf["layer_types"] == ["sliding_attention", "full_attention"] and hf["sliding_window"] == 12
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 3]

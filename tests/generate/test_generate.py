@@ -20,6 +20,7 @@ from dflash.generate.journal import load_records, work_dir
 from dflash.generate.local import STATIC_CACHE_ROWS, LocalEngine, Request, static_cache_note, static_width
 from dflash.generate.run import run_generate
 from helpers import build_store, make_conversations_jsonl, make_tiny_target
+from processes import invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "data" / "target_model"
@@ -156,7 +157,7 @@ def test_all_formats_come_back_in_their_format_and_precompute_reads_them(tmp_pat
         before = [json.loads(x) for x in data.read_text().splitlines()]
         after = [json.loads(x) for x in out.read_text().splitlines()]
         assert [set(r) for r in after] == [set(r) for r in before]
-    store = build_store(tmp_path / "store", tiny_target, tmp_path / "gen-messages.jsonl")
+    store = build_store(tmp_path / "store", tiny_target, tmp_path / "gen-messages.jsonl", writer="thread")
     from dflash.store import open_store
 
     assert len(open_store(store)) == 5
@@ -235,9 +236,8 @@ def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, lon
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert not out.exists()
-    p = _cli(*args)
-    stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr
+    rc, stdout, stderr = invoke(args, command="generate", cwd=tmp_path)  # the resuming run in process
+    assert rc == 0, stderr
     assert "resuming" in stdout
     assert out.read_bytes() == ref.read_bytes()
     rows = [json.loads(x)["row"] for x in journal.read_text().splitlines()]

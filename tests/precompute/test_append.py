@@ -20,7 +20,7 @@ from dflash.store import open_store, verify_store
 from dflash.store.parts import part_path, part_rows
 from dflash.target_model.capture import load_tokenizer
 from helpers import build_store, make_conversations, make_tiny_target
-from processes import Same, committed, run_cli, slow_writes, store_arrays
+from processes import Same, committed, invoke, run_cli, slow_writes, store_arrays
 
 OPTS = dict(commit_every_tokens=200, store_chunk_tokens=16, token_budget=256)
 
@@ -192,7 +192,7 @@ def test_kill9_during_an_append_at_three_points_then_rerun(grown, tmp_path):
             other = _jsonl(tmp_path / "other.jsonl", make_conversations(4, seed=99))
             res = CliRunner().invoke(main, ["precompute", *map(str, args[:3]), str(other), *map(str, args[4:])])
             assert res.exit_code != 0 and "part 1" in res.output and "interrupted" in res.output, res.output
-    rc, out, err = run_cli(args)
+    rc, out, err = invoke(args)  # the resuming run in process
     assert rc == 0, err
     assert store_arrays(store) == Same(store_arrays(ref))
     assert part_rows(store, 1).tolist() == part_rows(ref, 1).tolist() == part_rows(grown["store"], 1).tolist()

@@ -22,7 +22,7 @@ from dflash.precompute.shard import plan_batches
 from dflash.store import open_store, verify_store
 from dflash.target_model.capture import load_target, load_tokenizer
 from helpers import build_store, differing_files, make_conversations, make_conversations_jsonl, make_tiny_target
-from processes import Same, committed, run_cli, slow_writes, store_arrays
+from processes import Same, committed, invoke, run_cli, slow_writes, store_arrays
 
 DFLASH = str(Path(sys.executable).with_name("dflash"))
 
@@ -161,7 +161,7 @@ def test_kill9_at_three_points_then_resume_gives_the_same_store(tmp_path, target
         seen.append(committed(store))
         assert (store / "manifest.json").is_file() and not verify_store(store).ok  # interrupted: never verifies
     assert total // 3 <= seen[1] < seen[2] <= total
-    rc, out, err = run_cli(args)
+    rc, out, err = invoke(args)  # the resuming run in process
     assert rc == 0, err
     assert f"{len(ref_arrays)} samples" in out
     assert store_arrays(store) == Same(ref_arrays)

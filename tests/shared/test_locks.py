@@ -20,7 +20,7 @@ from dflash.config import PrecomputeConfig, TrainConfig, build_config
 from dflash.errors import ConfigError, LockedError
 from dflash.locks import dir_lock, lock_path, read_holder
 from helpers import build_store, make_conversations_jsonl
-from processes import slow_writes
+from processes import invoke, slow_writes
 
 ROOT = Path(__file__).resolve().parents[2]
 DFLASH = [sys.executable, "-m", "dflash.cli"]
@@ -110,15 +110,11 @@ def test_second_precompute_and_overwrite_are_refused_while_one_writes(tmp_path, 
     try:
         _wait_for_holder(store, first, also=lambda: (store / "manifest.json").is_file())
         manifest = (store / "manifest.json").read_bytes()
-        # a second writer and an --overwrite at the same time, both real commands
-        second = subprocess.Popen(DFLASH + _precompute_args(tiny_target, data, store), env=_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        over = subprocess.Popen(DFLASH + _precompute_args(tiny_target, data, store, "--overwrite"), env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for p in (second, over):
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 1, err
-            assert f"pid {first.pid}" in err and "in use" in err and "Traceback" not in err, err
+        # a second writer and an --overwrite, from another process (this one)
+        for more in ((), ("--overwrite",)):
+            rc, _, err = invoke(_precompute_args(tiny_target, data, store, *more), command=None)
+            assert rc == 1, err
+            assert f"pid {first.pid}" in err and "in use" in err, err
             assert "precompute" in err  # the holder's command
         assert first.poll() is None, "the writer did not survive the refusals"
         assert (store / "manifest.json").read_bytes() == manifest  # --overwrite deleted nothing
@@ -185,13 +181,10 @@ def test_second_train_resume_and_overwrite_are_refused_while_one_trains(tmp_path
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for_holder(run, first, timeout=240, also=lambda: (run / "metrics.jsonl").is_file())
-        others = [subprocess.Popen(_train_args(cfg, tmp_path / f"p{i}.yaml", *more), env=_env(), text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                  for i, more in enumerate([(), ("--resume",), ("--overwrite",)], start=2)]
-        for p in others:
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 1, err
-            assert f"pid {first.pid}" in err and "run directory" in err and "Traceback" not in err, err
+        for i, more in enumerate([(), ("--resume",), ("--overwrite",)], start=2):  # from another process (this one)
+            rc, _, err = invoke(_train_args(cfg, tmp_path / f"p{i}.yaml", *more)[len(DFLASH):], command=None)
+            assert rc == 1, err
+            assert f"pid {first.pid}" in err and "run directory" in err, err
         assert first.poll() is None, "the trainer did not survive the refusals"
         assert (run / "metrics.jsonl").is_file()  # --overwrite deleted nothing
     finally:

@@ -105,7 +105,7 @@ def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
 
     d = make_family_target(tmp_path, name, num_layers=4)
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", n=12, max_words=10)
-    store = build_store(tmp_path / "store", d, data, max_length=96)
+    store = build_store(tmp_path / "store", d, data, max_length=96, writer="thread")
     said = capsys.readouterr().out
     hybrid = name in ("qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next")  # Gated DeltaNet layers: the kernels are named
     assert ("Gated DeltaNet (linear-attention) layers" in said) == hybrid, said

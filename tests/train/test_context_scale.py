@@ -197,23 +197,11 @@ def one_process_accumulating(tiny_store, tmp_path_factory):
 def test_two_processes_set_the_scale_on_every_rank(tiny_store, tmp_path, parallel, one_process_accumulating):
     """cpu:2 (DDP or FSDP2 over gloo) x 1 micro-batch = cpu:1 x 2 micro-batches, step for step: a rank left at
     ones would compute other losses and gradients."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
-    from dflash.config import to_dict
+    from dflash.train.launch import launch_train
 
     target, _, store = tiny_store
     two = _train_cfg(target, store, tmp_path / "two", gpus="cpu:2", steps=3, save_every=3, parallel=parallel)
-    (tmp_path / "cwd").mkdir()
-    (tmp_path / "cwd" / "params.yaml").write_text(yaml.safe_dump({"train": to_dict(two)}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                                           os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--config", "params.yaml"], env=env,
-                       cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    launch_train(two)  # launched from this process: its two training processes are spawned as from the CLI
     one = one_process_accumulating
 
     def losses(run):

@@ -5,10 +5,7 @@ keeps a one-step run's weights at their initial values (AdamW's update is lr x s
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,6 @@ from safetensors.torch import load_file
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.train.launch import launch_train
-
-DFLASH = [sys.executable, "-m", "dflash.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +35,7 @@ def qwen3(tmp_path_factory):
             if name.endswith("norm.weight"):
                 p.copy_(0.5 + torch.rand_like(p))
     model.save_pretrained(target)
-    return target, build_store(d / "store", target, make_conversations_jsonl(d / "chats.jsonl", 16))
+    return target, build_store(d / "store", target, make_conversations_jsonl(d / "chats.jsonl", 16), writer="thread")
 
 
 def _cfg(target, store, out, **kw):
@@ -122,19 +117,19 @@ def test_resume_keeps_the_checkpoint_and_copies_nothing(qwen3, tmp_path, monkeyp
 def test_a_gated_attention_target_is_refused_through_the_cli(tmp_path):
     """Qwen3.5's full-attention q_proj also computes an output gate: twice the drafter's rows."""
     from helpers import build_store, make_conversations_jsonl
+    from processes import invoke
     from target_families import make_family_target
 
     target = make_family_target(tmp_path, "qwen3_5_vl", num_layers=4)
-    store = build_store(tmp_path / "store", target, make_conversations_jsonl(tmp_path / "c.jsonl", 8), max_length=96)
+    store = build_store(tmp_path / "store", target, make_conversations_jsonl(tmp_path / "c.jsonl", 8), max_length=96,
+                        writer="thread")
     (tmp_path / "none.yaml").write_text("{}\n")
-    p = subprocess.run(DFLASH + ["train", "--config", str(tmp_path / "none.yaml"), "--store", str(store), "--target",
-                                 str(target), "--out", str(tmp_path / "run"), "--gpus", "cpu:1", "--num-layers", "1",
-                                 "--block-size", "8", "--steps", "1", "--compile", "off", "--drafter-init", "target"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert p.returncode != 0
-    err = p.stderr.strip()
-    assert "Traceback" not in err
+    rc, _, err = invoke(["--config", tmp_path / "none.yaml", "--store", store, "--target", target,
+                         "--out", tmp_path / "run", "--gpus", "cpu:1", "--num-layers", "1", "--block-size", "8",
+                         "--steps", "1", "--compile", "off", "--drafter-init", "target"], command="train",
+                        cwd=tmp_path)
+    assert rc == 1
+    err = err.strip()
     assert str(target / "model.safetensors") in err
     assert "model.language_model.layers.3.self_attn.q_proj.weight of shape [128, 64]" in err
     assert "drafter's layers.0.self_attn.q_proj.weight is [64, 64]" in err

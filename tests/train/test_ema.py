@@ -4,7 +4,6 @@ drafter, and real runs whose checkpoints, export, held-out eval and resume carry
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -97,20 +96,17 @@ def test_state_dict_round_trip_leaves_the_weights_alone():
 
 
 def test_decay_is_checked_and_off_by_default(tmp_path):
-    import subprocess
-    import sys
-
     from dflash.fields import check_rules
+    from processes import invoke
 
     assert TrainConfig().optim.ema_decay == 0.0
     check_rules(TrainConfig(ema_decay=0.999).optim.rules())
     for bad in (1.0, -0.1, 1.5):
         with pytest.raises(ConfigError, match=r"--ema-decay .* is outside \[0, 1\)"):
             check_rules(TrainConfig(ema_decay=bad).optim.rules())
-    p = subprocess.run([sys.executable, "-m", "dflash.cli", "train", "--store", "s", "--target", "t", "--out", "o",
-                        "--ema-decay", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    assert p.returncode != 0 and "--ema-decay 1.0 is outside [0, 1)" in p.stderr
+    rc, _, err = invoke(["--store", "s", "--target", "t", "--out", "o", "--ema-decay", "1"], command="train",
+                        cwd=tmp_path)
+    assert rc == 1 and "--ema-decay 1.0 is outside [0, 1)" in err, err
     assert not (tmp_path / "o").exists()
 
 
@@ -120,10 +116,8 @@ N = 24  # steps of the real runs: enough that the average and the trained drafte
 
 
 @pytest.fixture(scope="module")
-def counting(tmp_path_factory):
-    from train_fixtures import build_counting_store
-
-    return build_counting_store(tmp_path_factory.mktemp("ema"), n=48)
+def counting(counting_store):
+    return counting_store
 
 
 def _cfg(target, store, out, **kw):

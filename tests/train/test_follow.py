@@ -23,7 +23,7 @@ from dflash.errors import ConfigError
 from dflash.store import open_store
 from dflash.train.launch import launch_train
 from helpers import build_store, make_tiny_target
-from processes import committed, run_cli, slow_writes
+from processes import committed, invoke, run_cli, slow_writes
 from train_fixtures import counting_conversations
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def test_follow_trains_while_precompute_writes_through_a_killed_writer(growing, 
                            kill_when=lambda: "train:" in log.read_text() and committed(store) > 0)
         assert rc == -signal.SIGKILL and not open_store(store).complete  # the writer died mid-store
         partial = len(open_store(store))
-        rc, _, err = run_cli(args)  # restarted: it resumes and finishes the store
+        rc, _, err = invoke(args)  # restarted (in this process): it resumes and finishes the store
         assert rc == 0, err
         full = _eligible(store)
         _wait(lambda: (run / "metrics.jsonl").is_file() and _metrics(run), 120, trainer, "the first steps", log)

@@ -5,10 +5,7 @@ config; the next one when the store holds it; a clear refusal when none is left.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,10 +14,10 @@ from dflash.errors import ConfigError
 from dflash.store import open_store
 from dflash.train.preflight import resolve_mask_token
 from helpers import build_store, make_conversations
+from processes import invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOL_TOKENIZER = ROOT / "tests" / "assets" / "smollm2-tokenizer"
-DFLASH = str(Path(sys.executable).with_name("dflash"))
 MARKERS = ["<repo_name>", "<reponame>", "<file_sep>", "<filename>", "<gh_stars>", "<issue_start>", "<issue_comment>",
            "<issue_closed>", "<jupyter_start>", "<jupyter_text>", "<jupyter_code>", "<jupyter_output>",
            "<jupyter_script>", "<empty_output>"]  # ids 3..16, in id order
@@ -49,20 +46,18 @@ def smol(tmp_path_factory):
 def _store(out, target, rows):
     data = Path(out).with_suffix(".jsonl")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return build_store(out, target, data, target_layers=[0], topk=2, max_length=128)
+    return build_store(out, target, data, target_layers=[0], topk=2, max_length=128, writer="thread")
 
 
 def test_train_picks_an_unused_code_marker_and_says_so(smol, tmp_path):
     target, store = smol
     run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([DFLASH, "train", "--store", store, "--target", target, "--out", run, "--gpus", "cpu:1",
-                        "--steps", "1", "--block-size", "4", "--num-layers", "1", "--compile", "off",
-                        "--num-workers", "1", "--save-every", "0"], env=env, cwd=tmp_path, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, out, err = invoke(["--store", store, "--target", target, "--out", run, "--gpus", "cpu:1", "--steps", "1",
+                           "--block-size", "4", "--num-layers", "1", "--compile", "off", "--num-workers", "1",
+                           "--save-every", "0"], command="train", cwd=tmp_path)
+    assert rc == 0, err[-3000:]
     line = "mask token 3 (added special token unused by the chat template '<repo_name>', absent from the store)"
-    assert line in p.stdout + p.stderr
+    assert line in out + err
     rec = json.loads((run / "config.json").read_text())
     assert rec["mask_token"]["id"] == 3 and "'<repo_name>'" in rec["mask_token"]["source"]
     assert rec["drafter"]["dflash_config"]["mask_token_id"] == 3

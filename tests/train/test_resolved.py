@@ -55,7 +55,7 @@ def test_target_labels_need_a_store_with_topk(tiny_target, tmp_path, labels):
     from helpers import build_store, make_conversations_jsonl
 
     data = make_conversations_jsonl(tmp_path / "chats.jsonl", 6)
-    store = build_store(tmp_path / "store", tiny_target, data, topk=0)
+    store = build_store(tmp_path / "store", tiny_target, data, topk=0, writer="thread")
     cfg = _cfg((tiny_target, data, store), tmp_path / "run", labels=labels)
     with pytest.raises(ConfigError, match=rf"--labels {labels} .* --topk 0; precompute with --topk K .* --labels data"):
         preflight(cfg)

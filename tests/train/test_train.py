@@ -16,6 +16,7 @@ from dflash.config import TrainConfig
 from dflash.errors import ConfigError, StoreError
 from dflash.train.launch import launch_train
 from helpers import differing_files
+from processes import invoke
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +38,8 @@ with open(os.environ["PATCHED_PIDS"], "a") as f:
 
 
 @pytest.fixture(scope="module")
-def counting(tmp_path_factory):
-    from train_fixtures import build_counting_store
-
-    return build_counting_store(tmp_path_factory.mktemp("train"), n=48)
+def counting(counting_store):
+    return counting_store
 
 
 def _cfg(target, store, out, **kw):
@@ -224,8 +223,8 @@ def test_kill_and_resume_is_exact(counting, tmp_path):
     assert killed_at < 16
 
     resume = _cfg(target, store, cfg.out, steps=16, save_every=4, resume=True)
-    p = subprocess.run(DFLASH + _args(resume, cwd), env=_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    rc, _, err = invoke(_args(resume, cwd), command=None, cwd=cwd)  # the resuming run in process
+    assert rc == 0, err[-3000:]
     got = [(r["step"], r["loss"], r["tau"]) for r in _metrics(cfg.out)]
     assert [g[0] for g in got] == list(range(1, 17))
     for (s, l1, t1), (_, l2, t2) in zip(expected, got):
@@ -385,9 +384,7 @@ def test_fsdp2_matches_ddp(two_process_run, counting, tmp_path):
     target, store = counting
     ddp_cfg, _ = two_process_run
     cfg = _cfg(target, store, tmp_path / "run", gpus="cpu:2", steps=4, save_every=2, parallel="fsdp")
-    p = subprocess.run(DFLASH + _args(cfg, tmp_path / "cwd"), env=_env(), cwd=tmp_path / "cwd",
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+    launch_train(cfg)  # launched from this process: its two training processes are spawned as from the CLI
     fsdp = [r["loss"] for r in _metrics(cfg.out)]
     ddp = [r["loss"] for r in _metrics(ddp_cfg.out)]
     assert len(fsdp) == 4 and fsdp == pytest.approx(ddp, rel=1e-4)

@@ -86,7 +86,7 @@ def runs_store(tmp_path_factory):
         rows.append({"messages": msgs + [{"role": "assistant", "content": reply}]})
     data = tmp / "runs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return target, build_store(tmp / "store", target, data)
+    return target, build_store(tmp / "store", target, data, writer="thread")
 
 
 @pytest.mark.parametrize("max_new_tokens", [128, 12])
