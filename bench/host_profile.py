@@ -3,11 +3,14 @@
 The real trainer (`dflash.train.trainer.Trainer.train`, launched in this process on the CPU through
 `launch_train`) runs on the bench store with tiny shapes, where the arithmetic is negligible and what a step
 costs is what the GPU's host also runs: Python, dispatch, the feeder and loader hand-off, the tracker, the
-optimizer's bookkeeping.  A step window after the warm-up is measured twice, in separate runs: once plainly
-(wall ms per step, and the training thread's CPU ms per step, which a busy machine disturbs less) and once under cProfile (the functions by cumulative seconds per step, and every call
-that would be a host sync on a GPU: `.item()`, `.tolist()`, `.cpu()`, `synchronize`, with the callers'
-file:line).  Each repeat is a fresh run; the medians go to $OUT/host_profile.json, the profile tables to
-$OUT/host_profile_<i>.txt (and .prof, for pstats).
+optimizer's bookkeeping.  A step window after the warm-up is measured in separate runs: plainly (wall ms
+per step, and the training thread's CPU ms per step, which a busy machine disturbs less); under cProfile
+(the functions by cumulative ms per step, and the calls that are host syncs on a GPU, `.item()`,
+`.tolist()`, `.cpu()`, `synchronize`, with their callers' file:line); and over BENCH_HOST_SCAN_STEPS (3)
+steps under a dispatch mode that lists the ATen ops that sync on a GPU (`_local_scalar_dense`, `nonzero`,
+boolean-mask indexing, ...) with their dflash file:line, which cProfile cannot see.  Each repeat is a
+fresh run; the medians go to $OUT/host_profile.json, the profile tables to $OUT/host_profile_<i>.txt (and
+.prof, for pstats).
 
 Knobs (environment): BENCH_HOST_STEPS (window, 40), BENCH_HOST_SKIP (steps before it, 5), BENCH_HOST_REPEATS
 (3), BENCH_HOST_WORKERS (loader workers, 1), BENCH_TRAIN_ROWS (rows a step, 8), BENCH_TRAIN_SET (train
@@ -23,6 +26,11 @@ import json
 import os
 import pstats
 import time
+import traceback
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import median, out_dir, work_dir
 
@@ -32,15 +40,50 @@ SYNC_NAMES = ("item", "tolist", "cpu", "synchronize", "numpy", "nonzero", "maske
               "repeat_interleave", "argwhere")
 
 
+# ATen ops that wait for the device on a GPU (a boolean-mask index runs a nonzero first); dispatched ops are
+# seen where cProfile sees nothing (float(t), bool(t), t[mask] = v).
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive",
+            "is_nonzero", "equal", "allclose")
+
+
+class SyncScan(TorchDispatchMode):
+    """Every ATen op in its scope that would be a host sync on a GPU, by (op, innermost dflash file:line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        bool_index = name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            for a in args if isinstance(a, (list, tuple)) for t in a)
+        counted = (name in SYNC_OPS or bool_index
+                   or (name == "repeat_interleave" and (kwargs or {}).get("output_size") is None
+                       and isinstance(args[0], torch.Tensor) and len(args) < 2))
+        if counted:
+            frames = [f for f in traceback.extract_stack()[:-1] if "/dflash/" in f.filename]
+            where = (f"{frames[-1].filename.split('/dflash/', 1)[1]}:{frames[-1].lineno}({frames[-1].name})"
+                     if frames else "outside dflash")
+            self.found[(name + (" [bool mask]" if bool_index else ""), "dflash/" + where if frames else where)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def per_step(self, steps: int) -> list[dict]:
+        return [{"op": op, "per_step": round(n / steps, 2), "where": where}
+                for (op, where), n in self.found.most_common()]
+
+
 class WindowProfiler:
     """Stands in for the trainer's StepProfiler (same calls): the wall time of steps [start, start + steps)
     and, with `profile`, a cProfile of them."""
 
     last: WindowProfiler | None = None
 
-    def __init__(self, out, rank, start, steps, device, *, window: tuple[int, int], profile: bool):
+    def __init__(self, out, rank, start, steps, device, *, window: tuple[int, int], profile: bool,
+                 scan: bool = False):
         self.start, self.end = window
         self.prof = cProfile.Profile() if profile else None
+        self.scan = SyncScan() if scan else None
         self.t0 = self.t1 = self.cpu0 = self.cpu1 = None
         WindowProfiler.last = self
 
@@ -49,9 +92,13 @@ class WindowProfiler:
             self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
             if self.prof is not None:
                 self.prof.enable()
+            if self.scan is not None:
+                self.scan.__enter__()
 
     def after_step(self, steps_run: int) -> None:
         if steps_run == self.end and self.t1 is None:
+            if self.scan is not None:
+                self.scan.__exit__(None, None, None)
             if self.prof is not None:
                 self.prof.disable()
             self.t1, self.cpu1 = time.perf_counter(), time.thread_time()
@@ -78,13 +125,14 @@ def _train_config(settings: dict, steps: int):
     return build_config(TrainConfig, params, flags), values
 
 
-def _run(settings: dict, skip: int, steps: int, profile: bool) -> WindowProfiler:
+def _run(settings: dict, skip: int, steps: int, profile: bool, scan: bool = False) -> WindowProfiler:
     from dflash.train import trainer
     from dflash.train.launch import launch_train
 
     cfg, _ = _train_config(settings, skip + steps)
     real = trainer.StepProfiler
-    trainer.StepProfiler = lambda *a: WindowProfiler(*a, window=(skip, skip + steps), profile=profile)
+    trainer.StepProfiler = lambda *a: WindowProfiler(*a, window=(skip, skip + steps), profile=profile,
+                                                      scan=scan)
     try:
         launch_train(cfg)
     finally:
@@ -151,4 +199,7 @@ def part_host(res, settings: dict) -> None:
     res.set("thread_cpu_ms_per_step", [round(x, 3) for x in cpus])
     res.set("thread_cpu_ms_per_step_median", round(median(cpus), 3))
     res.set("profiles", profiled)
+    scan_steps = int(os.environ.get("BENCH_HOST_SCAN_STEPS", "3"))
+    if scan_steps:
+        res.set("sync_ops_per_step", _run(settings, skip, scan_steps, profile=False, scan=True).scan.per_step(scan_steps))
     res.set("note", "CPU, tiny shapes: host cost per optimizer step; profiles are separate runs of the same window")
