@@ -2,6 +2,7 @@
 
     python bench/loader_bench.py --part loader  [--tiny]   # build a store, time the real DataLoader
     python bench/loader_bench.py --part scaling [--tiny]   # dflash train --gpus 0, then --gpus 0,1
+    python bench/loader_bench.py --part host --tiny        # the host's ms and top costs per step (bench/host_profile.py)
 
 `--part loader` writes a fake target directory (config.json of Qwen3-8B, a chat-templated tokenizer, a
 model.safetensors holding only the embedding and lm_head, random) and a store of ~200 samples of random
@@ -442,12 +443,18 @@ def part_scaling(tiny: bool, limit: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["loader", "scaling"], required=True)
+    ap.add_argument("--part", choices=["loader", "scaling", "host"], required=True)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     tiny = tiny_mode(args.tiny)
     if args.part == "loader":
         part_loader(tiny, part_limit_s(95))
+    elif args.part == "host":
+        from host_profile import part_host
+
+        res = Results("host_profile", tiny=True)
+        with res.guard("host"):
+            part_host(res, _settings(os.environ.get("BENCH_TRAIN_SET")))
     else:
         part_scaling(tiny, part_limit_s(250))
 

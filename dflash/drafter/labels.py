@@ -88,8 +88,10 @@ def previous_tokens(labels: torch.Tensor, block_input_ids: torch.Tensor, block_s
     Q = labels.shape[1]
     prev = torch.full_like(labels, IGNORE)
     k = torch.arange(1, Q, device=labels.device) % block_size  # block positions 1..Q-1
-    prev[:, 1:] = torch.where(k == 1, block_input_ids[:, :-1], labels[:, :-1])
-    prev[:, 1:][:, k == 0] = IGNORE  # an anchor predicts nothing
+    # An anchor (k == 0) predicts nothing.  torch.where, not a boolean-mask assignment: on a GPU that
+    # runs a nonzero(), a host sync in every training step.
+    shifted = torch.where(k == 1, block_input_ids[:, :-1], labels[:, :-1])
+    prev[:, 1:] = torch.where(k == 0, torch.full_like(shifted, IGNORE), shifted)
     return prev
 
 

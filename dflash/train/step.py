@@ -134,15 +134,17 @@ def make_optimizer(raw, cfg: TrainConfig, device: torch.device):
     return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), fused=fused)
 
 
-def clip(raw, optimizer, cfg: TrainConfig, world: int) -> torch.Tensor:
+def clip(raw, optimizer, cfg: TrainConfig, world: int, params: list | None = None) -> torch.Tensor:
     """The gradient norm; gradients above cfg.optim.grad_clip are scaled down by the fused AdamW kernel itself
     (its grad_scale input divides every gradient as it reads it), which saves clip_grad_norm_'s extra
-    read-modify-write pass over all gradients."""
+    read-modify-write pass over all gradients.  `params`: raw's parameters, listed once by the caller
+    (walking the module tree is host time in every step)."""
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+    params = list(raw.parameters()) if params is None else params
     if not optimizer.defaults.get("fused") or (world > 1 and cfg.systems.parallel == "fsdp"):
-        norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    norm = torch.nn.utils.get_total_norm([p.grad for p in raw.parameters() if p.grad is not None])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     # clip_grad_norm_'s factor max_norm / (norm + 1e-6) when below 1, as a divisor
     optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp_min(1.0)
     return norm
@@ -156,6 +158,7 @@ class TrainStep:
         self.cfg, self.device, self.world = cfg, device, world
         self.model, self.raw, self.ddp = build_model(drafter_config, cfg, device, world, n_shapes, flex_kernel_options)
         self.optimizer = make_optimizer(self.raw, cfg, device)
+        self.params = list(self.raw.parameters())  # the same objects for the whole run (FSDP2 too, once wrapped)
         self.embed, self.head = embed, head
         self.family = family_of(drafter_config)
         self.final_norm = final_norm  # the target's final norm weight, for a family that needs it (StoreNeeds)
@@ -206,7 +209,7 @@ class TrainStep:
                                             dtype=torch.float64), device)
             StepStats.add(stats, out, counts)
         t_opt = time.perf_counter()
-        grad_norm = clip(self.raw, self.optimizer, cfg, self.world)
+        grad_norm = clip(self.raw, self.optimizer, cfg, self.world, self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.host["opt"] += time.perf_counter() - t_opt
