@@ -35,7 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # Modules the scripts import, not benchmarks of their own.
-LIBRARY = {"common", "step_workload", "precompute_workload", "recipe_configs", "run"}
+LIBRARY = {"common", "step_workload", "precompute_workload", "recipe_configs", "host_profile", "run"}
 
 
 def scripts() -> list[str]:

@@ -41,7 +41,7 @@ class GenerateConfig(Options):
                                   "--batch-tokens), so that transformers' generate compiles the decode step into "
                                   "CUDA graphs once per width (auto: on for CUDA; off on CPU, where it only adds "
                                   "padding).")
-    continuous_batching: AutoOnOff = opt("auto", "In-process: --batch-size rows decode together and each finished "
+    continuous_batching: AutoOnOff = opt("off", "In-process: --batch-size rows decode together and each finished "
                                          "row is replaced by the next prompt at once, over a KV cache per "
                                          "prompt width, the decode step one CUDA graph (auto: on for CUDA where "
                                          "the target's layers all attend over the whole context). --static-cache "

@@ -1,7 +1,8 @@
-"""bench/run.py, the benchmarks' runner: one JSON-lines record per run in one schema; and bench/real_study.py's
-minutes, read from a run's metrics the way a study reads them."""
+"""bench/run.py, the benchmarks' runner: one JSON-lines record per run in one schema; bench/real_study.py's
+minutes, read from a run's metrics the way a study reads them; and bench/chain.py, an example's stages timed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +59,26 @@ def test_study_minutes_sum_step_times_and_share_wall_time_among_arms(tmp_path):
     assert real_study.parse_arm("base=") == ("base", [])
     with pytest.raises(Exception, match="NAME=FLAGS"):
         real_study.parse_arm("--kd-weight 1")
+
+
+def test_chain_runs_an_examples_stages_in_order_times_each_and_stops_at_a_failed_one(tmp_path):
+    (tmp_path / "dvc.yaml").write_text(
+        "stages:\n"
+        "  first:\n    cmd: echo one >> order.txt\n"
+        "  skipped:\n    cmd: echo skipped >> order.txt\n"
+        "  second:\n    cmd: python -c \"open('order.txt', 'a').write('two\\\\n')\"\n"
+        "  broken:\n    cmd: exit 3\n"
+        "  never:\n    cmd: echo never >> order.txt\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, str(ROOT / "bench" / "chain.py"), "--skip", "skipped", "--logs", "logs"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**os.environ, "OUT": str(out)})
+    assert done.returncode == 3 and "stage broken failed" in done.stderr
+    assert (tmp_path / "order.txt").read_text().split() == ["one", "two"]
+    stages = json.loads((out / "chain.json").read_text())["stages"]
+    assert [s["stage"] for s in stages] == ["first", "second", "broken"]
+    assert [s["returncode"] for s in stages] == [0, 0, 3] and all(s["seconds"] >= 0 for s in stages)
+    printed = [json.loads(line)["stage"] for line in done.stdout.splitlines()]
+    assert printed == ["first", "second", "broken"] and (tmp_path / "logs" / "second.log").is_file()
+    until = subprocess.run([*cmd, "--until", "first"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert until.returncode == 0 and [json.loads(line)["stage"] for line in until.stdout.splitlines()] == ["first"]
