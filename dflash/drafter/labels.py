@@ -91,7 +91,7 @@ def previous_tokens(labels: torch.Tensor, block_input_ids: torch.Tensor, block_s
     # An anchor (k == 0) predicts nothing.  torch.where, not a boolean-mask assignment: on a GPU that
     # runs a nonzero(), a host sync in every training step.
     shifted = torch.where(k == 1, block_input_ids[:, :-1], labels[:, :-1])
-    prev[:, 1:] = torch.where(k == 0, torch.full_like(shifted, IGNORE), shifted)
+    prev[:, 1:] = torch.where(k == 0, IGNORE, shifted)
     return prev
 
 
