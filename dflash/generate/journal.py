@@ -60,6 +60,16 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise _disk_error(path, e) from None
 
 
+def remove_leftovers(out: Path, work: Path) -> None:
+    """Delete what a run killed inside atomic_write left: `.NAME.tmp-PID` beside `out` (for this output
+    only: the folder is the user's) and in the journal directory. Called under the output's lock."""
+    for d, prefix in ((out.parent, f".{out.name}.tmp-"), (work, ".")):
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(prefix) and ".tmp-" in p.name and p.is_file():
+                    p.unlink(missing_ok=True)
+
+
 def read_meta(work: Path) -> dict | None:
     try:
         return json.loads((work / META).read_text())
@@ -165,5 +175,5 @@ def file_sha256(path: Path) -> str | None:
         return None
 
 
-__all__ = ["work_dir", "read_meta", "write_meta", "load_records", "Journal", "assemble", "output_bytes",
+__all__ = ["work_dir", "remove_leftovers", "read_meta", "write_meta", "load_records", "Journal", "assemble", "output_bytes",
            "file_sha256", "atomic_write"]

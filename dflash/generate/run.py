@@ -143,6 +143,7 @@ def _run(cfg: GenerateConfig, out: Path) -> dict:
     inputs = inputs_of(cfg, len(rows))
     _preflight(cfg)
     work = _prepare_work(cfg, out, inputs)
+    jr.remove_leftovers(out, work)
     _write_skipped(work, skipped)
     done = jr.load_records(work)
     todo = [p for p in plans if done.get(p.row, {}).get("out") is None]

@@ -36,8 +36,9 @@ from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, raise_failure, supervise
 from dflash.store import create_or_check_manifest, read_manifest, runinfo
+from dflash.store.durable import remove_leftovers
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
-from dflash.store.parts import Part, held_keys, read_parts
+from dflash.store.parts import PARTS, Part, held_keys, read_parts
 from dflash.target_model.capture import check_config_matches_weights, check_layers, load_tokenizer
 from dflash.target_model.files import default_target_layers, engine_layer_problem, target_identity, tokenizer_hash
 
@@ -309,6 +310,7 @@ def _run_precompute(cfg: PrecomputeConfig, world, held: contextlib.ExitStack) ->
         if overwrite:
             check_overwritable(out)
         found = create_or_check_manifest(out, manifest, overwrite=overwrite, data=False)
+        remove_leftovers(out, out / PARTS)  # a run killed mid-write of its manifest, part record or report
         return [p.summary() for p in plan_parts(cfg, out, found, rows, num_shards)]
 
     if world:

@@ -68,6 +68,21 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durabl
         fsync_dir(path.parent)
 
 
+def remove_leftovers(*dirs: str | os.PathLike) -> list[Path]:
+    """Delete the `.NAME.tmp-PID` files a killed atomic_write_bytes left in `dirs` (not recursive).
+
+    Only a caller holding the store's lock may call it: then no live writer owns such a file.
+    """
+    gone = []
+    for d in map(Path, dirs):
+        if d.is_dir():
+            for p in d.iterdir():
+                if p.name.startswith(".") and ".tmp-" in p.name and p.is_file():
+                    p.unlink(missing_ok=True)
+                    gone.append(p)
+    return gone
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

@@ -236,10 +236,17 @@ def test_kill_9_then_the_same_command_gives_the_uninterrupted_file(tmp_path, lon
         p.send_signal(signal.SIGKILL)
         p.wait()
         assert not out.exists()
+    # a kill inside an atomic write leaves its temporary file; the resuming run (holding the lock) removes
+    # it, and only this output's: another output's beside it is not its to touch
+    strays = [tmp_path / f".{out.name}.tmp-99999", work_dir(out) / ".meta.json.tmp-99999"]
+    other = tmp_path / ".other.jsonl.tmp-99999"
+    for p in (*strays, other):
+        p.write_bytes(b"half")
     rc, stdout, stderr = invoke(args, command="generate", cwd=tmp_path)  # the resuming run in process
     assert rc == 0, stderr
     assert "resuming" in stdout
     assert out.read_bytes() == ref.read_bytes()
+    assert not any(p.exists() for p in strays) and other.exists()
     rows = [json.loads(x)["row"] for x in journal.read_text().splitlines()]
     assert sorted(rows) == list(range(12))  # no row lost, none generated twice
 
