@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from dflash.durable import atomic_write_bytes
 from dflash.evaluate.speculative import Generation
 
 VERSION = 1
@@ -46,7 +46,5 @@ class ReferenceFile:
     def save(self, gens: list[Generation]) -> None:
         """Atomically (a reader never sees half a file; concurrent writers of the same key agree)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         body = {"key": self.key, "generations": [{"tokens": g.tokens, "seconds": g.seconds} for g in gens]}
-        tmp.write_text(json.dumps(body))
-        os.replace(tmp, self.path)
+        atomic_write_bytes(self.path, json.dumps(body).encode(), durable=False)

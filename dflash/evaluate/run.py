@@ -9,9 +9,9 @@ token for token against it.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash.config import EvalConfig, flat_options
+from dflash.durable import atomic_write_bytes
 from dflash.errors import ConfigError, DataError, DFlashError
 from dflash.evaluate.online import decode_prompts, eos_token_ids, finish_online, online_eval
 from dflash.train.heldout import offline_tau
@@ -132,9 +133,7 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
     main = result.get("offline") or result.get("online")
     if main is not None:
         _write_tables(main, out.parent)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_bytes(out, (json.dumps(result, indent=2) + "\n").encode(), durable=False)
     if plots:
         from dflash.evaluate.bench_report import plot_bench
         from dflash.evaluate.plots import plot_eval
@@ -147,14 +146,12 @@ def write_outputs(result: dict, out: Path, plots: bool = True) -> None:
 
 def _write_tables(main: dict, out_dir: Path) -> None:
     B = main["block_size"]
-    with open(out_dir / "acceptance.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["position", "acceptance"])
-        w.writerows([k, round(a, 6)] for k, a in zip(range(1, B), main["acceptance"]))
-    with open(out_dir / "tau_hist.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["tau", "count"])
-        w.writerows([t, c] for t, c in zip(range(1, B + 1), main["tau_hist"]))
+    tables = {"acceptance.csv": [["position", "acceptance"], *([k, round(a, 6)] for k, a in zip(range(1, B), main["acceptance"]))],
+              "tau_hist.csv": [["tau", "count"], *([t, c] for t, c in zip(range(1, B + 1), main["tau_hist"]))]}
+    for name, rows in tables.items():  # whole or not at all: dvc reads them as metrics and plots
+        f = io.StringIO(newline="")
+        csv.writer(f).writerows(rows)
+        atomic_write_bytes(out_dir / name, f.getvalue().encode(), durable=False)
 
 
 def _offline(cfg: EvalConfig, drafter, target_dir: str, identity, device: torch.device) -> dict:

@@ -14,7 +14,6 @@ count in a file beside its output, its failure the parent's one-paragraph error 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dflash.durable import atomic_write_bytes
 from dflash.errors import DFlashError
 
 
@@ -127,9 +127,7 @@ def main(job_path: str) -> None:
     records = decode_prompts(target, drafter, job["prompts"], refs, max_new_tokens=job["max_new_tokens"],
                              eos_ids=eos_token_ids(target, load_tokenizer(job["target"])),
                              confidence_threshold=job["confidence_threshold"], on_prompt=on_prompt)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(records))
-    os.replace(tmp, out)
+    atomic_write_bytes(out, json.dumps(records).encode(), durable=False)
 
 
 if __name__ == "__main__":

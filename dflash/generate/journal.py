@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from dflash import durable
+from dflash.durable import atomic_write_bytes
 from dflash.errors import GenerateError
 from dflash.jsonl import jsonl_lines
 
@@ -30,14 +32,6 @@ def work_dir(out: str | os.PathLike) -> Path:
     return p.with_name(f".{p.name}.generate")
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _disk_error(path: Path, e: OSError) -> GenerateError:
     return GenerateError(
         f"cannot write {path} ({e.strerror or e}); free space or fix permissions there, then rerun the same "
@@ -47,27 +41,17 @@ def _disk_error(path: Path, e: OSError) -> GenerateError:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Readers and crashes see the old file or the new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        atomic_write_bytes(path, data, disk_full=_disk_error)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise _disk_error(path, e) from None
 
 
 def remove_leftovers(out: Path, work: Path) -> None:
-    """Delete what a run killed inside atomic_write left: `.NAME.tmp-PID` beside `out` (for this output
-    only: the folder is the user's) and in the journal directory. Called under the output's lock."""
-    for d, prefix in ((out.parent, f".{out.name}.tmp-"), (work, ".")):
-        if d.is_dir():
-            for p in d.iterdir():
-                if p.name.startswith(prefix) and ".tmp-" in p.name and p.is_file():
-                    p.unlink(missing_ok=True)
+    """What a run killed inside atomic_write left beside `out` (this output's only: the folder is the
+    user's) and in the journal directory. Called under the output's lock."""
+    durable.remove_leftovers(out.parent, prefix=f".{out.name}.tmp-")
+    durable.remove_leftovers(work)
 
 
 def read_meta(work: Path) -> dict | None:

@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from dflash.chat import check_renders, conversation_key, conversation_of, render, row_locator
 from dflash.config import PrecomputeConfig
+from dflash.durable import atomic_write_bytes
 from dflash.errors import DataError, RowError
 from dflash.jsonl import jsonl_lines
-from dflash.store.durable import atomic_write_bytes
 
 REPORT = "skipped_rows.jsonl"
 CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early

@@ -28,6 +28,7 @@ import torch
 from dflash.chat import dataset_fingerprint, read_rows
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.cpu_threads import cpu_threads
+from dflash.durable import remove_leftovers
 from dflash.errors import ConfigError, DFlashError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
@@ -36,7 +37,6 @@ from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
 from dflash.spawned import die_with_parent, raise_failure, supervise
 from dflash.store import create_or_check_manifest, read_manifest, runinfo
-from dflash.store.durable import remove_leftovers
 from dflash.store.manifest import FORMAT_VERSION, MANIFEST, is_current_format, manifest_differences
 from dflash.store.parts import PARTS, Part, held_keys, read_parts
 from dflash.target_model.capture import check_config_matches_weights, check_layers, load_tokenizer

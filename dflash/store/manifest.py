@@ -32,10 +32,10 @@ import os
 import shutil
 from pathlib import Path
 
+from dflash.durable import atomic_write_bytes, disk_full_error, fsync_dir, is_disk_full, read_json
 from dflash.errors import StoreError
 from dflash.store import parts as P
 from dflash.store import runinfo
-from dflash.store.durable import atomic_write_bytes, disk_full_error, fsync_dir, is_disk_full, read_json
 
 __all__ = ["atomic_write_bytes", "disk_full_error", "fsync_dir", "is_disk_full"]  # (durable's, re-exported)
 

@@ -29,9 +29,9 @@ import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 from zarr.storage import LocalStore
 
+from dflash.durable import disk_full_error, is_disk_full
 from dflash.errors import StoreError
 from dflash.store.direct import DirectObjects
-from dflash.store.durable import disk_full_error, is_disk_full
 from dflash.store.rows import fsync_files
 
 try:  # zarr >= 3.4

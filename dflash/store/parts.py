@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from dflash.durable import atomic_write_bytes
 from dflash.errors import StoreError
 from dflash.store import layout
-from dflash.store.durable import atomic_write_bytes
 
 PARTS = "parts"
 KEY_BYTES = 16

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import torch
 
-from dflash.store.durable import fsync_dir
+from dflash.durable import fsync_dir
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -22,7 +22,7 @@ import json
 import os
 from pathlib import Path
 
-from dflash.store.durable import atomic_write_bytes
+from dflash.durable import atomic_write_bytes
 
 RUNS = "precompute.jsonl"
 # The shard statistics that are a function of the data, kept in the store's status.json; every other

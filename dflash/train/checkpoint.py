@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
+from dflash.durable import fsync_dir, is_disk_full
 from dflash.errors import DFlashError
-from dflash.store.durable import fsync_dir, is_disk_full
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -341,3 +341,27 @@ def test_skip_bad_rows_leaves_out_broken_lines_and_rows_with_nothing_to_answer(t
         [(1, 2, "not valid JSON", str(data)), (3, 4, "nothing to answer", str(data))]
     again = run_generate(cfg(target=EMBEDDED, data=data, out=out, max_new_tokens=2, turns="all", skip_bad_rows=True))
     assert again["skipped"] == 2 and again["generated_now"] == 0
+
+
+def test_a_full_disk_while_writing_the_output_is_named_for_generate(tmp_path, monkeypatch):
+    """The output goes through the stages' shared atomic write; its full-disk error must still tell a
+    generate user what to do (not precompute's advice), and leave no temporary file."""
+    import errno
+
+    from dflash.errors import GenerateError
+    from dflash.generate.journal import atomic_write
+
+    real = os.fsync
+
+    def fsync(fd):  # where delayed allocation reports ENOSPC: the fsync of the temporary file
+        if ".tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "replies.jsonl"
+    with pytest.raises(GenerateError) as e:
+        atomic_write(out, b'{"messages": []}\n')
+    msg = str(e.value)
+    assert f"cannot write {out}" in msg and "rerun the same command" in msg and "precompute" not in msg
+    assert list(tmp_path.iterdir()) == []

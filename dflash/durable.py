@@ -1,10 +1,12 @@
-"""Durable file primitives of the store (and of checkpoints): atomic replace, fsyncs, a full disk named."""
+"""Durable files for every stage (store, generate, checkpoints, eval outputs): atomic replace, fsyncs, the
+leftovers of a killed write, a full disk named."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +46,12 @@ def disk_full_error(path: str | os.PathLike, e: BaseException) -> StoreError:
     )
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durable: bool = True) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durable: bool = True,
+                       disk_full: Callable[[Path, BaseException], Exception] = disk_full_error) -> None:
     """Write `path` so that a reader (or a crash at any instant) sees the old file or the new one, never a mix.
 
     The rename alone is atomic against a killed process; `durable` adds the fsyncs that make it survive
-    a power loss too.
+    a power loss too. A full disk raises `disk_full(path, e)`: the error that names what to rerun.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -61,23 +64,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, durabl
     except OSError as e:
         tmp.unlink(missing_ok=True)
         if is_disk_full(e):
-            raise disk_full_error(path, e) from e
+            raise disk_full(path, e) from e
         raise
     os.replace(tmp, path)
     if durable:
         fsync_dir(path.parent)
 
 
-def remove_leftovers(*dirs: str | os.PathLike) -> list[Path]:
-    """Delete the `.NAME.tmp-PID` files a killed atomic_write_bytes left in `dirs` (not recursive).
+def remove_leftovers(*dirs: str | os.PathLike, prefix: str = ".") -> list[Path]:
+    """Delete the `.NAME.tmp-PID` files that a killed atomic_write_bytes left in `dirs` (not recursive), only
+    those whose name starts with `prefix` (`.NAME.tmp-` for one file's in a folder that is not dflash's).
 
-    Only a caller holding the store's lock may call it: then no live writer owns such a file.
+    Only a caller holding the lock of what it writes may call it: then no live writer owns such a file.
     """
     gone = []
     for d in map(Path, dirs):
         if d.is_dir():
             for p in d.iterdir():
-                if p.name.startswith(".") and ".tmp-" in p.name and p.is_file():
+                if p.name.startswith(prefix) and p.name.startswith(".") and ".tmp-" in p.name and p.is_file():
                     p.unlink(missing_ok=True)
                     gone.append(p)
     return gone
