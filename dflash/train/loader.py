@@ -327,6 +327,22 @@ class _Numbered(torch.utils.data.Sampler):
         return len(self.sampler)
 
 
+def worker_context():
+    """The loader workers' start method: forkserver, with the trainer's temporary folder made first.
+
+    multiprocessing makes that folder on first use (the forkserver's socket, a worker's handle to a
+    shared tensor).  A worker whose process object is made before it exists makes a folder of its own and
+    removes it on its way out while its queue thread may still be sending: `Directory not empty`, a
+    traceback after a failed run's one-paragraph message.  Made here first, every worker inherits the
+    trainer's, which only the trainer removes, once its workers are joined."""
+    import multiprocessing.util
+
+    multiprocessing.util.get_temp_dir()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "dflash.train.loader", "dflash.train.forkserver_guard"])
+    return ctx
+
+
 def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, pin_memory: bool = False,
                 slots=None, persistent: bool = False):
     """DataLoader over whole micro-batches; workers start via forkserver (safe next to CUDA and threads).
@@ -340,14 +356,12 @@ def make_loader(dataset: PackedDataset, sampler: RankSampler, num_workers: int, 
     dataset.slots = slots
     if slots is not None:
         sampler = _Numbered(sampler)
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "dflash.train.loader", "dflash.train.forkserver_guard"])
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
         sampler=sampler,
         num_workers=num_workers,
-        multiprocessing_context=ctx,
+        multiprocessing_context=worker_context(),
         worker_init_fn=functools.partial(_worker_init, trainer_pid=os.getpid()),
         pin_memory=pin_memory,
         prefetch_factor=PREFETCH_FACTOR,

@@ -556,3 +556,39 @@ def test_device_feeder_groups_steps_in_order(store):
     assert feeder.wait_s >= 0.0
     with pytest.raises(StopIteration):
         feeder.take()
+
+
+_TEMPDIR_SCRIPT = '''
+import multiprocessing, multiprocessing.util, sys
+import torch
+from dflash.train import loader as L
+
+
+class TempDirOf(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return str(multiprocessing.current_process()._config.get("tempdir"))
+
+
+if __name__ == "__main__":
+    ctx = L.worker_context()
+    loader = torch.utils.data.DataLoader(TempDirOf(), batch_size=None, num_workers=2, multiprocessing_context=ctx)
+    print(sorted(set(loader)), multiprocessing.util.get_temp_dir())
+'''
+
+
+def test_loader_workers_share_the_trainers_temporary_folder(tmp_path):
+    """A loader worker with a temporary folder of its own removes it on its way out while its queue thread
+    may still be sending (`Directory not empty`: a traceback after a failed run's message, seen in CI).
+    In a fresh process, as a training run is, every worker must see the trainer's folder instead."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "tempdirs.py"
+    script.write_text(_TEMPDIR_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    seen, trainers = p.stdout.strip().rsplit(" ", 1)
+    assert seen == repr([trainers]), p.stdout
