@@ -120,6 +120,9 @@ class PrecomputeConfig(Options):
     restart_changed: bool = opt(False, "Start over, instead of refusing, when the existing store was made from "
                                 "other inputs (for pipelines); a store of the same inputs is resumed, and with "
                                 "--append another dataset is not another input.")
+    space_check: bool = opt(True, "Before a new store is written, estimate its size (the rows' tokens from an "
+                            "even sample x the context features' bytes a token) and stop at once, writing "
+                            "nothing, when the disk at --out has less free.")
     seed: int = opt(0, "Seed of the shard split.")
 
 

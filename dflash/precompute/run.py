@@ -29,9 +29,10 @@ from dflash.chat import dataset_fingerprint, read_rows
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.cpu_threads import cpu_threads
 from dflash.durable import remove_leftovers
-from dflash.errors import ConfigError, DFlashError, TargetError
+from dflash.errors import ConfigError, DFlashError, StoreError, TargetError
 from dflash.locks import dir_lock
 from dflash.paths import portable
+from dflash.precompute import space
 from dflash.precompute.badrows import REPORT, check_rows
 from dflash.precompute.grow import DatasetKeys, plan_parts
 from dflash.precompute.shard import ShardJob, run_shard
@@ -127,7 +128,16 @@ def prepare(cfg: PrecomputeConfig, num_shards: int) -> tuple[dict, list[int], Da
         # its run record beside the store (dflash/store/runinfo.py)
         "precompute_config": {k: v for k, v in to_dict(cfg).items() if k not in runinfo.RUN_OPTIONS},
     }
-    return manifest, layer_ids, DatasetKeys(keys, fingerprint, bad)
+    rows = DatasetKeys(keys, fingerprint, bad)
+    hidden = identity.get("hidden_size")
+    if cfg.space_check and hidden and not (Path(cfg.out) / MANIFEST).is_file():  # a new store: it must fit
+        unique, _ = rows.unique()
+        per_token = space.feature_bytes_per_token(int(hidden), len(layer_ids), cfg.hidden_dtype, cfg.final_hidden)
+        mean = space.tokens_per_row(tokenizer, ds, unique, cfg.data, cfg.max_length)
+        problem = space.space_problem(Path(cfg.out), len(unique), mean, per_token)
+        if problem:
+            raise StoreError(problem)
+    return manifest, layer_ids, rows
 
 
 # ---------------------------------------------------------------------------------------------- launching

@@ -31,7 +31,7 @@ DATA_STATS = ("status", "num_samples", "num_tokens", "num_supervised", "rows", "
 # Options of `dflash precompute` that change how a run goes but not the bytes it writes (or that name the
 # store itself): recorded per run here, left out of the manifest's precompute_config.
 RUN_OPTIONS = ("out", "gpus", "render_workers", "writer", "commit_every_tokens", "overwrite", "restart_changed",
-               "append")
+               "append", "space_check")
 
 
 def run_dir(store: str | os.PathLike) -> Path:
