@@ -85,6 +85,26 @@ def test_a_width_ends_on_half_the_rows_and_widths_get_rings_of_their_own(monkeyp
     assert narrow[0] == 4 and min(narrow) < 4  # the narrow width's last rows ran on fewer rows
 
 
+def test_a_decode_step_reads_each_key_value_head_once(monkeypatch, long_target):
+    """The ring's keys are the decode's whole cost on long prompts: a grouped-query target's decode step must
+    attend on its key/value heads as stored, not on a copy per query head (transformers' `repeat_kv`)."""
+    from transformers.integrations import sdpa_attention
+
+    eng = LocalEngine(cfg(target=long_target, max_new_tokens=8, continuous_batching="on"), "cpu")
+    model_cfg = eng.model.config
+    assert model_cfg.num_key_value_heads < model_cfg.num_attention_heads
+    copies, repeat = [], sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(tuple(x.shape)) or repeat(x, n))
+    ring = refill.Ring(eng, 4, 64, 72)
+    items = [refill.Item(k, eng.encode(r.messages), 8, refill.mix64(0, k, 1)) for k, r in enumerate(requests(SHORT[:4]))]
+    ring.admit([0, 1, 2, 3], items)
+    assert copies  # the prefill (many query tokens) does copy: the spy sees the attention it is meant to see
+    copies.clear()
+    for _ in range(3):
+        ring.step(4)
+    assert copies == []
+
+
 def test_sampled_replies_depend_on_the_row_and_seed_alone(long_target):
     texts = ["one two", "three four five", "six", "seven eight"] * 2  # twins: the same prompt, another row
     reqs = requests(texts)
