@@ -102,6 +102,13 @@ class StepTracker:
         if self.logger:
             self.logger.log(rec)
 
+    def restart_clock(self) -> None:
+        """Work between two steps (a held-out eval, a checkpoint) is not the next step's: without this its
+        seconds, tens on a first eval that compiles its shapes, land in that step's rates. Their own
+        seconds are in the eval's record (`eval_s`, `eval_walk_s`)."""
+        self.t_last = time.perf_counter()
+        self.last_event = None  # the next step's rates then come from the host's clock, which starts here
+
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 

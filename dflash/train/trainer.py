@@ -295,6 +295,8 @@ class Trainer:
             if save:
                 self.save()
                 step_gc.full()
+            if evaluate or save:
+                self.tracker.restart_clock()
         profiler.close()
         self.writer.wait()  # the last checkpoint is on disk before the run reports its end
         self.tracker.flush()

@@ -146,6 +146,27 @@ def test_samples_longer_than_a_row_are_left_out_whole(runs_store):
         walk_tau(drafter, embed, head, store, max_samples=1, token_budget=budget, progress=False)
 
 
+def test_a_step_after_an_eval_or_a_checkpoint_is_timed_without_it(runs_store, tmp_path, monkeypatch):
+    import time
+
+    from dflash.config import TrainConfig
+    from dflash.train.trainer import Trainer, run_training
+
+    pause = 1.5
+    for name in ("_heldout_eval", "save"):
+        inner = getattr(Trainer, name)
+        monkeypatch.setattr(Trainer, name, lambda self, inner=inner: time.sleep(pause) or inner(self))
+    target, store = runs_store
+    cfg = TrainConfig(store=str(store), target=str(target), out=str(tmp_path / "run"), gpus="cpu:1", block_size=B,
+                      num_layers=1, steps=6, lr=3e-3, warmup_steps=1, token_budget=256, num_anchors=8, num_workers=1,
+                      compile="off", seed=0, save_every=4, eval_every=2, eval_store=str(store))
+    run_training(cfg)
+    recs = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    seconds = {s: r["ctx_tokens"] / r["ctx_tokens_per_s"] for s, r in recs.items()}
+    assert [s for s, r in recs.items() if "eval_tau" in r] == [2, 4, 6]
+    assert all(seconds[s] < pause for s in (3, 5)), seconds  # after an eval; after an eval and a checkpoint
+
+
 def test_training_records_the_walk_at_each_heldout_eval(runs_store, tmp_path):
     from dflash.config import TrainConfig
     from dflash.train.trainer import run_training
