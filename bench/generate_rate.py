@@ -23,7 +23,8 @@ and one decode graph a width) against transformers' own (`hfcb`, `model.generate
 
 `--samples N` sends every prompt N times (as `dflash generate --samples N`: the copies are rows of their
 own); `--limit ROWS:LENGTH,...` times the bare decode step (one graph replay, every row decoding over a
-ring of LENGTH slots): the card's limit for the model at that batch. A `cb` record lists each width's
+ring of LENGTH slots; the eager step on a CPU): the card's limit for the model at that batch. `--copy-keys`
+runs attention as transformers before 5.23 did (keys and values copied once per query head). A `cb` record lists each width's
 rows, ring length, decode steps and seconds.
 
 `--target` takes a checkpoint instead of the random one (its own eos, so replies end where it ends
@@ -118,16 +119,20 @@ def run_hf_cb(eng, cfg, reqs) -> tuple[int, list[dict]]:
 
 
 def decode_limit(eng, rows: int, length: int, steps: int = 50) -> dict:
-    """The bare decode step of `rows` rows over rings of `length` slots: one graph replay each."""
+    """The bare decode step of `rows` rows over rings of `length` slots: one graph replay each on CUDA, the
+    eager step elsewhere."""
     from dflash.generate.refill import Ring
 
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     ring = Ring(eng, rows, 64, length)
     ring.step(rows)
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
-    for _ in range(steps):
-        ring.graphs[rows].replay()
-    torch.cuda.synchronize()
+    with torch.no_grad():
+        for _ in range(steps):
+            ring.graphs[rows].replay() if cuda else ring._step(rows)
+    sync()
     s = (time.perf_counter() - t) / steps
     return {"limit_rows": rows, "ring_length": length, "step_ms": round(s * 1e3, 3),
             "tokens_per_s": round(rows / s, 1), "dtype": str(eng.model.dtype)}
@@ -214,7 +219,10 @@ def main() -> None:
                     help="with --data: whole conversations, the last reply regenerated (the held-out replies)")
     ap.add_argument("--samples", type=int, default=1, help="every prompt this many times, each a row of its own")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--limit", default="", help="ROWS:LENGTH,...: the bare decode step's rate at these shapes (CUDA)")
+    ap.add_argument("--limit", default="", help="ROWS:LENGTH,...: the bare decode step's rate at these shapes")
+    ap.add_argument("--limit-steps", type=int, default=50, help="decode steps timed at each --limit shape")
+    ap.add_argument("--copy-keys", action="store_true",
+                    help="attention as transformers before 5.23 ran it: keys and values copied per query head")
     ap.add_argument("--max-prompt-tokens", type=int, help="with --data: only prompts of at most this many tokens")
     ap.add_argument("--order", choices=["length", "file"], default="length",
                     help="rows shortest prompt first, as `dflash generate` takes them, or in file order")
@@ -222,6 +230,10 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/generate_rate")
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.copy_keys:  # transformers' sdpa packs a one-token query onto the key/value heads unless compiling
+        from transformers.integrations import sdpa_attention
+
+        sdpa_attention.is_torchdynamo_compiling = lambda: True
     target = Path(a.target) if a.target else build_target(Path(a.work) / "target", a.layers)
     fits = None
     if a.max_prompt_tokens:
@@ -234,7 +246,7 @@ def main() -> None:
     reqs = with_samples(prompts(a.rows, a.max_words, a.data, fits, a.conversation), a.samples)
     if a.out:
         Path(a.out).write_text("")  # a record is appended as each pass ends: a run cut short keeps its passes
-    for spec in a.modes.split(","):
+    for spec in filter(None, a.modes.split(",")):
         spec, _, order = spec.partition("@")
         mode, _, rows = spec.partition(":")
         bs, order = int(rows or a.batch_size), order or a.order
@@ -265,8 +277,9 @@ def main() -> None:
         cfg = GenerateConfig(target=str(target), gpus=a.device, continuous_batching="on", dtype=a.dtype,
                              temperature=a.temperature)
         eng = LocalEngine(cfg, a.device)
-        emit({"mode": "limit", **decode_limit(eng, rows, length), "temperature": a.temperature,
-              "target": a.target or "random", "gpu": torch.cuda.get_device_name()}, a.out)
+        emit({"mode": "limit", **decode_limit(eng, rows, length, a.limit_steps), "temperature": a.temperature,
+              "target": a.target or "random", "copy_keys": a.copy_keys,
+              "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"}, a.out)
         del eng
 
 
