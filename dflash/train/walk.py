@@ -16,7 +16,9 @@ differs from the lossless eval's only through floating point: features computed 
 against the engine's incremental ones, and replies generated in another dtype than the eval's.
 
 Each micro-batch's context is read once and its keys and values (`context_kv`, each layer's) stay on the
-device; a step rebuilds only the blocks and runs the drafter on them against those.
+device; a step rebuilds only the blocks and runs the drafter on them against those.  Replies end after
+different numbers of steps; once those still walking fit in fewer micro-batches, they are packed anew and
+their contexts read again, so the drafter does not run a whole micro-batch for one slow reply.
 """
 
 from __future__ import annotations
@@ -91,13 +93,17 @@ def _replies(store, sids, row: int) -> tuple[dict, dict, int]:
 @torch.no_grad()
 def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
              max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
-             block_budget: int | None = None, num_shapes: int = 3, progress: bool = True) -> dict:
+             block_budget: int | None = None, num_shapes: int = 3, progress: bool = True,
+             repack: bool = True) -> dict:
     """The engine's greedy walk over each sample's last reply (module docstring).
 
     `block_budget`: block tokens a row (default one tile).
     `num_shapes`: padded context shapes (LoaderSpec); a compiled drafter compiles each one it meets.
-    Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples and
-    num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked).
+    `repack`: once the replies still walking fit in fewer micro-batches than those they are in, they are
+    packed anew (their contexts read again), so a micro-batch is not run for its last slow reply alone.
+    Returns summarize()'s {tau, num_blocks (the steps), block_size, acceptance, tau_hist}, num_samples,
+    num_too_long: samples longer than a row, left out whole (cut, they would lose the reply walked), and
+    num_calls: the drafter's forward passes.
     """
     cfg = drafter.config
     B = cfg.block_size
@@ -115,7 +121,6 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     blocks = _Blocks(store, spec, tokens)
     feats = L.PackedDataset(store, spec)
     feats.max_blocks = blocks.max_blocks
-    plan = blocks.plan(0).batches
     first = np.array([span.get(i, (0, 0))[0] for i in range(len(blocks.sample_ids))], dtype=np.int64)
     last = np.array([span.get(i, (0, 0))[1] for i in range(len(blocks.sample_ids))], dtype=np.int64)
     blocks.at[:] = first
@@ -127,16 +132,29 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     drafter.eval()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     bar = tqdm(total=int(active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
-    try:
+    calls = 0
+
+    def pack(walking: np.ndarray) -> list:
+        """The micro-batches of the samples still walking: the training plan's packing, over them alone."""
+        return L.plan_epoch(blocks.lengths, walking.astype(np.int64), spec, 0).batches
+
+    def contexts(plan: list) -> list:
+        """Each micro-batch's context keys and values, on the device."""
         ctx = []
         for rows in plan:
             mb = feats.build(0, rows).to(device).dequantised()
             with autocast:
                 ctx.append(drafter.context_kv(mb.ctx_hidden, mb.ctx_positions))
+        return ctx
+
+    try:
+        plan = pack(active)
+        ctx = contexts(plan)
         while active.any():
             for rows, ctx_kv in zip(plan, ctx):
                 if not any(active[r].any() for r in rows):
                     continue
+                calls += 1
                 b = blocks.build(0, rows).to(device)
                 mask = attention.mask_for(b.mask, device, compiled=attention.is_compiled(drafter))
                 with autocast:
@@ -157,6 +175,11 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                             blocks.at[i] = first[i]
                             bar.update(1)
             bar.set_postfix(tau=f"{np.mean(steps):.3f}" if steps else "-")
+            live = sum(any(active[r].any() for r in rows) for rows in plan)
+            fewer = pack(active) if repack and live > 1 else plan
+            if len(fewer) < live:
+                ctx = None  # the old contexts' keys and values go before the new ones are made
+                plan, ctx = fewer, contexts(fewer)
     finally:
         drafter.train(was_training)
         bar.close()
@@ -164,6 +187,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     out["num_samples"] = len(tokens)
     out["num_too_long"] = too_long
     out["max_new_tokens"] = max_new_tokens
+    out["num_calls"] = calls
     return out
 
 

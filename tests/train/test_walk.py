@@ -114,6 +114,11 @@ def test_walk_matches_a_plain_loop_over_the_replies(runs_store, max_new_tokens):
     assert got["tau_hist"] == np.bincount(want, minlength=B + 1)[1:].tolist()
     assert got["tau"] == pytest.approx(np.mean(want))
     assert max(want) == B and got["tau"] > 1.2  # runs of " two" are accepted whole: a walk worth checking
+    # the replies still walking packed anew once they fit in fewer micro-batches: the same steps, fewer calls
+    kept = walk_tau(drafter, embed, head, store, max_new_tokens=max_new_tokens, token_budget=256,
+                    rows_per_batch=2, progress=False, repack=False)
+    assert kept["tau_hist"] == got["tau_hist"] and kept["num_blocks"] == got["num_blocks"]
+    assert got["num_calls"] < kept["num_calls"], (got["num_calls"], kept["num_calls"])
 
 
 def test_samples_longer_than_a_row_are_left_out_whole(runs_store):
