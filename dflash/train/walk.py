@@ -150,6 +150,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     try:
         plan = pack(active)
         ctx = contexts(plan)
+        walking = int(active.sum())  # at the last packing check: an unchanged set packs as it did then
         while active.any():
             for rows, ctx_kv in zip(plan, ctx):
                 if not any(active[r].any() for r in rows):
@@ -176,7 +177,8 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                             bar.update(1)
             bar.set_postfix(tau=f"{np.mean(steps):.3f}" if steps else "-")
             live = sum(any(active[r].any() for r in rows) for rows in plan)
-            fewer = pack(active) if repack and live > 1 else plan
+            fewer = pack(active) if repack and live > 1 and active.sum() < walking else plan
+            walking = int(active.sum())
             if len(fewer) < live:
                 ctx = None  # the old contexts' keys and values go before the new ones are made
                 plan, ctx = fewer, contexts(fewer)
