@@ -41,12 +41,14 @@ class GenerateConfig(Options):
                                   "--batch-tokens), so that transformers' generate compiles the decode step into "
                                   "CUDA graphs once per width (auto: on for CUDA; off on CPU, where it only adds "
                                   "padding).")
-    continuous_batching: AutoOnOff = opt("off", "In-process: --batch-size rows decode together and each finished "
+    continuous_batching: AutoOnOff = opt("auto", "In-process: --batch-size rows decode together and each finished "
                                          "row is replaced by the next prompt at once, over a KV cache per "
                                          "prompt width, the decode step one CUDA graph (auto: on for CUDA where "
-                                         "the target's layers all attend over the whole context). --static-cache "
-                                         "then plays no part, and sampled tokens are drawn per row from --seed, "
-                                         "so a reply does not depend on the rows decoded beside it.")
+                                         "the target's layers all attend over the whole context, else the "
+                                         "batches of --static-cache). --static-cache then plays no part, and "
+                                         "sampled tokens are drawn per row from --seed, so a reply does not "
+                                         "depend on the rows decoded beside it. A small target wants many rows: "
+                                         "raise --batch-size and --batch-tokens (docs/generate.md).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")

@@ -164,8 +164,9 @@ def test_each_dflash_stage_of_the_example_parses_and_the_heldout_store_is_the_ta
     assert "generate" in built and "eval" in built
     assert (gen.data, gen.turns, gen.dtype, gen.temperature, gen.samples) == ("data/heldout.jsonl", "last", "fp32",
                                                                                0.0, 1)
-    # thousands of training replies repay the compiling; 200 held-out ones would wait on it
-    assert (built["generate"].static_cache, gen.static_cache) == ("on", "off")
+    # on a GPU both refill finished rows at once (continuous batching); the held-out rows all decode together
+    assert (built["generate"].continuous_batching, gen.continuous_batching) == ("auto", "auto")
+    assert gen.batch_size >= 200 and built["generate"].batch_size * 256 <= built["generate"].batch_tokens
     assert str(pre.data) == str(gen.out) and str(train.monitor.eval_store) == str(pre.out)
     assert gen.max_new_tokens > train.monitor.eval_walk_tokens > 0  # replies not cut inside the walk
     assert pre.max_length >= 8192 and pre.hidden_dtype == "bf16"  # whole histories, as the engine sees them
