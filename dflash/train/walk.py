@@ -90,6 +90,42 @@ def _replies(store, sids, row: int) -> tuple[dict, dict, int]:
     return tokens, span, too_long
 
 
+class _Progress:
+    """Each reply's walk: its anchor (the blocks' `at`), the tokens it has emitted, whether it still walks,
+    and the accepted tokens of every step taken."""
+
+    def __init__(self, blocks: _Blocks, span: dict, max_new_tokens: int):
+        n = len(blocks.sample_ids)
+        self.blocks, self.max_new_tokens = blocks, max_new_tokens
+        self.first = np.array([span.get(i, (0, 0))[0] for i in range(n)], dtype=np.int64)
+        self.last = np.array([span.get(i, (0, 0))[1] for i in range(n)], dtype=np.int64)
+        blocks.at[:] = self.first
+        self.emitted = np.ones(n, dtype=np.int64)  # the prefill's token
+        self.active = blocks.max_blocks.astype(bool)
+        self.steps: list[int] = []
+
+    def walking(self, rows) -> bool:
+        return any(self.active[r].any() for r in rows)
+
+    def advance(self, rows, accepted: np.ndarray) -> int:
+        """One step of each walking reply in `rows` (accepted[r, j]: sample rows[r][j]'s accepted proposals);
+        returns how many replies ended."""
+        ended = 0
+        for r, row in enumerate(rows):
+            for j, i in enumerate(row):
+                if not self.active[i]:
+                    continue
+                n = int(accepted[r, j])
+                self.steps.append(n)
+                self.emitted[i] += n
+                self.blocks.at[i] += n
+                if self.emitted[i] >= self.max_new_tokens or self.blocks.at[i] >= self.last[i]:
+                    self.active[i] = False  # reply done: the walk is back at first[i] to keep its block real
+                    self.blocks.at[i] = self.first[i]
+                    ended += 1
+        return ended
+
+
 @torch.no_grad()
 def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_new_tokens: int = 128,
              max_samples: int | None = None, token_budget: int | None = None, rows_per_batch: int = 4,
@@ -109,8 +145,7 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     B = cfg.block_size
     check_store(store, cfg)
     device = next(drafter.parameters()).device
-    longest = int(store.lengths().max())
-    budget = token_budget or L.round_up(longest)
+    budget = token_budget or L.round_up(int(store.lengths().max()))
     # One block a sample: a row's block stream is one tile (up to 128 / B samples a row), not padded to the
     # context's length, or every step would run the drafter on ~1,000 padded block tokens a row.
     spec = L.LoaderSpec(block_size=B, num_anchors=1, token_budget=budget, block_budget=block_budget or L.round_up(B),
@@ -121,17 +156,12 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     blocks = _Blocks(store, spec, tokens)
     feats = L.PackedDataset(store, spec)
     feats.max_blocks = blocks.max_blocks
-    first = np.array([span.get(i, (0, 0))[0] for i in range(len(blocks.sample_ids))], dtype=np.int64)
-    last = np.array([span.get(i, (0, 0))[1] for i in range(len(blocks.sample_ids))], dtype=np.int64)
-    blocks.at[:] = first
-    emitted = np.ones(len(first), dtype=np.int64)  # the prefill's token
-    active = blocks.max_blocks.astype(bool)
+    walk = _Progress(blocks, span, max_new_tokens)
     embed, lm_head = embed.to(device), lm_head.to(device)
-    steps: list[int] = []
     was_training = drafter.training
     drafter.eval()
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    bar = tqdm(total=int(active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
+    bar = tqdm(total=int(walk.active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
     calls = 0
 
     def pack(walking: np.ndarray) -> list:
@@ -148,12 +178,12 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
         return ctx
 
     try:
-        plan = pack(active)
+        plan = pack(walk.active)
         ctx = contexts(plan)
-        walking = int(active.sum())  # at the last packing check: an unchanged set packs as it did then
-        while active.any():
+        walking = int(walk.active.sum())  # at the last packing check: an unchanged set packs as it did then
+        while walk.active.any():
             for rows, ctx_kv in zip(plan, ctx):
-                if not any(active[r].any() for r in rows):
+                if not walk.walking(rows):
                     continue
                 calls += 1
                 b = blocks.build(0, rows).to(device)
@@ -163,33 +193,19 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                                      ctx_kv=ctx_kv)
                 preds = predictions(drafter, hidden, lm_head, b.labels, b.block_input_ids, B)
                 accepted = _blocks(preds, b.labels, B)[0].view(b.labels.shape[0], -1).cpu().numpy()
-                for r, row in enumerate(rows):
-                    for j, i in enumerate(row):
-                        if not active[i]:
-                            continue
-                        n = int(accepted[r, j])
-                        steps.append(n)
-                        emitted[i] += n
-                        blocks.at[i] += n
-                        if emitted[i] >= max_new_tokens or blocks.at[i] >= last[i]:
-                            active[i] = False  # reply done: the walk is back at first[i] to keep its block real
-                            blocks.at[i] = first[i]
-                            bar.update(1)
-            bar.set_postfix(tau=f"{np.mean(steps):.3f}" if steps else "-")
-            live = sum(any(active[r].any() for r in rows) for rows in plan)
-            fewer = pack(active) if repack and live > 1 and active.sum() < walking else plan
-            walking = int(active.sum())
+                bar.update(walk.advance(rows, accepted))
+            bar.set_postfix(tau=f"{np.mean(walk.steps):.3f}" if walk.steps else "-")
+            live = sum(walk.walking(rows) for rows in plan)
+            fewer = pack(walk.active) if repack and live > 1 and walk.active.sum() < walking else plan
+            walking = int(walk.active.sum())
             if len(fewer) < live:
                 ctx = None  # the old contexts' keys and values go before the new ones are made
                 plan, ctx = fewer, contexts(fewer)
     finally:
         drafter.train(was_training)
         bar.close()
-    out = summarize(np.asarray(steps, dtype=np.int64), B)
-    out["num_samples"] = len(tokens)
-    out["num_too_long"] = too_long
-    out["max_new_tokens"] = max_new_tokens
-    out["num_calls"] = calls
+    out = summarize(np.asarray(walk.steps, dtype=np.int64), B)
+    out.update(num_samples=len(tokens), num_too_long=too_long, max_new_tokens=max_new_tokens, num_calls=calls)
     return out
 
 
