@@ -2,7 +2,7 @@
 
     d = make_family_target(tmp_path, "qwen3_5_vl")   # a Qwen3.5 vision-language wrapper, 4 layers
 
-Families (FAMILIES): llama, qwen3, qwen3_moe, gpt_oss (sliding + full attention, MoE), qwen3_next
+Families (FAMILIES): llama, qwen2, qwen3, qwen3_moe, gpt_oss (sliding + full attention, MoE), qwen3_next
 (linear + full attention, MoE), qwen3_5_vl and qwen3_5_moe_vl (Qwen3_5[Moe]ForConditionalGeneration:
 a tiny vision tower, the language model's weights under `model.language_model.*`, linear + full
 attention).  Hybrids mix `linear_attention` and `full_attention` layers.  Each is a few hundred KB and
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from helpers import make_tokenizer
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
 HYBRID = ("qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")  # linear-attention (recurrent + conv state) layers
 
 
@@ -46,6 +46,8 @@ def family_config(family: str, tok, hidden_size: int = 64, num_layers: int = 4, 
                   linear_num_key_heads=2, linear_num_value_heads=4)
     if family == "llama":
         return tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    if family == "qwen2":  # Qwen2.5 (examples/qwen2.5-coder-0.5b): biased q/k/v, its sliding window off
+        return tf.Qwen2Config(**common, use_sliding_window=False), tf.Qwen2ForCausalLM
     if family == "qwen3":
         return tf.Qwen3Config(**common), tf.Qwen3ForCausalLM
     if family == "qwen3_moe":

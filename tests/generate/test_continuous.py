@@ -16,6 +16,7 @@ from dflash.generate import refill
 from dflash.generate.journal import work_dir
 from dflash.generate.local import LocalEngine, Request
 from dflash.generate.run import run_generate
+from target_families import FAMILIES, make_family_target
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBEDDED = ROOT / "data" / "target_model"
@@ -189,3 +190,26 @@ def test_every_turn_regenerated_in_turn_gives_the_batch_paths_file_and_rows_reac
         journal.close()
     assert sum(n for n, _ in seen) == 6 and len(seen) >= 3  # a journal write as rows finish, not one a window
     assert [lines for _, lines in seen] == [sum(n for n, _ in seen[:i + 1]) for i in range(len(seen))]
+
+
+RING_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # every layer attends over the whole context
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_decodes_through_the_ring_or_says_why_not(tmp_path, family):
+    """`auto` on a GPU takes the ring exactly where it models the target: there, the ring's greedy tokens are
+    the batch path's; elsewhere (sliding windows, linear attention) `on` is refused with the reason."""
+    target = make_family_target(tmp_path, family, num_layers=4)
+    batch = LocalEngine(cfg(target=target, max_new_tokens=12, continuous_batching="off"), "cpu")
+    why = refill.supports_ring(batch.model)
+    if family not in RING_FAMILIES:
+        assert why and ("sliding_attention" in why or "linear_attention" in why), why
+        with pytest.raises(ConfigError, match="--continuous-batching off"):
+            LocalEngine(cfg(target=target, continuous_batching="on"), "cpu")
+        return
+    assert why is None
+    reqs = requests(SHORT[:5])
+    got = LocalEngine(cfg(target=target, max_new_tokens=12, batch_size=2, continuous_batching="on"), "cpu").generate(reqs)
+    want = batch.generate(reqs)
+    assert [(r.tokens, r.text) for r in got] == [(r.tokens, r.text) for r in want]
+    assert sum(r.tokens for r in got) > len(reqs)  # random weights still decode more than one token a row

@@ -93,7 +93,7 @@ def test_vl_wrapper_loads_the_saved_language_model(tmp_path, name):
 
 
 @pytest.mark.slow  # a real precompute and two CPU training steps per family, ~5-10 s each
-@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_5_moe_vl", "qwen3_next", "gpt_oss", "qwen3_moe", "qwen2"])
 def test_precompute_and_train_on_the_family(tmp_path, name, capsys):
     import importlib.util
     import json
