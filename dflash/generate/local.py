@@ -109,6 +109,9 @@ class LocalEngine:
                 f"--continuous-batching on: target {self.cfg.target} has {why}, which the ring-shaped cache of "
                 "continuous batching does not model; use --continuous-batching off (or auto)."
             )
+        if why is not None:  # auto on a GPU: say why the rows wait for their batch's longest
+            print(f"generate: {self.device}: continuous batching off for this target ({why}); decoding in "
+                  "batches.", flush=True)
         return why is None
 
     def encode(self, messages: list[dict]) -> list[int]:

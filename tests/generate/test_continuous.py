@@ -196,7 +196,7 @@ RING_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # every layer attends 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_decodes_through_the_ring_or_says_why_not(tmp_path, family):
+def test_each_family_decodes_through_the_ring_or_says_why_not(tmp_path, family, capsys):
     """`auto` on a GPU takes the ring exactly where it models the target: there, the ring's greedy tokens are
     the batch path's; elsewhere (sliding windows, linear attention) `on` is refused with the reason."""
     target = make_family_target(tmp_path, family, num_layers=4)
@@ -206,6 +206,9 @@ def test_each_family_decodes_through_the_ring_or_says_why_not(tmp_path, family):
         assert why and ("sliding_attention" in why or "linear_attention" in why), why
         with pytest.raises(ConfigError, match="--continuous-batching off"):
             LocalEngine(cfg(target=target, continuous_batching="on"), "cpu")
+        batch.device = torch.device("cuda", 0)  # `auto` decides by the device's type alone; nothing runs there
+        assert batch._continuous("auto") is False
+        assert f"continuous batching off for this target ({why})" in capsys.readouterr().out
         return
     assert why is None
     reqs = requests(SHORT[:5])
