@@ -104,7 +104,7 @@ class _Progress:
         self.active = blocks.max_blocks.astype(bool)
         self.steps: list[int] = []
 
-    def walking(self, rows) -> bool:
+    def any_walking(self, rows) -> bool:
         return any(self.active[r].any() for r in rows)
 
     def advance(self, rows, accepted: np.ndarray) -> int:
@@ -164,9 +164,9 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     bar = tqdm(total=int(walk.active.sum()), desc="walk tau", unit="reply", disable=not progress, leave=False)
     calls = 0
 
-    def pack(walking: np.ndarray) -> list:
+    def pack(active: np.ndarray) -> list:
         """The micro-batches of the samples still walking: the training plan's packing, over them alone."""
-        return L.plan_epoch(blocks.lengths, walking.astype(np.int64), spec, 0).batches
+        return L.plan_epoch(blocks.lengths, active.astype(np.int64), spec, 0).batches
 
     def contexts(plan: list) -> list:
         """Each micro-batch's context keys and values, on the device."""
@@ -180,10 +180,10 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
     try:
         plan = pack(walk.active)
         ctx = contexts(plan)
-        walking = int(walk.active.sum())  # at the last packing check: an unchanged set packs as it did then
+        checked = int(walk.active.sum())  # at the last packing check: an unchanged set packs as it did then
         while walk.active.any():
             for rows, ctx_kv in zip(plan, ctx):
-                if not walk.walking(rows):
+                if not walk.any_walking(rows):
                     continue
                 calls += 1
                 b = blocks.build(0, rows).to(device)
@@ -195,9 +195,9 @@ def walk_tau(drafter, embed: torch.Tensor, lm_head: torch.Tensor, store, *, max_
                 accepted = _blocks(preds, b.labels, B)[0].view(b.labels.shape[0], -1).cpu().numpy()
                 bar.update(walk.advance(rows, accepted))
             bar.set_postfix(tau=f"{np.mean(walk.steps):.3f}" if walk.steps else "-")
-            live = sum(walk.walking(rows) for rows in plan)
-            fewer = pack(walk.active) if repack and live > 1 and walk.active.sum() < walking else plan
-            walking = int(walk.active.sum())
+            live = sum(walk.any_walking(rows) for rows in plan)
+            fewer = pack(walk.active) if repack and live > 1 and walk.active.sum() < checked else plan
+            checked = int(walk.active.sum())
             if len(fewer) < live:
                 ctx = None  # the old contexts' keys and values go before the new ones are made
                 plan, ctx = fewer, contexts(fewer)
