@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from dflash.evaluate.speculative import Generation, LayerCapture, _cache_kw, _finish
+from dflash.evaluate.speculative import Generation, LayerCapture, _cache_kw, _finish, prefill
 
 # propose(row, start, proposals [B-1]) -> proposals [B-1]: a test hook that may replace a row's guesses.
 RowProposeHook = Callable[[int, int, torch.Tensor], torch.Tensor]
@@ -86,9 +86,8 @@ def speculative_rows(target, drafter, prompts: list[list[int]], max_new_tokens: 
     with LayerCapture(target, cfg.target_layer_ids) as capture:
         cache = DynamicCache(config=target.config)
         kw = {_cache_kw(target): cache, "use_cache": True}
-        out = target(input_ids=ids, attention_mask=seen, position_ids=(seen.cumsum(-1) - 1).clamp(min=0),
-                     logits_to_keep=1, **kw)
-        feats = capture.features()
+        out, feats = prefill(target, ids, kw, mask=seen, positions=(seen.cumsum(-1) - 1).clamp(min=0),
+                             capture=capture)
         rows = _Rows(n, feats.shape[-1], capacity, device, feats.dtype)
         for r, p in enumerate(prompts):
             rows.ctx[r, : len(p)] = feats[r, width - len(p):]

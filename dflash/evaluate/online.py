@@ -30,8 +30,13 @@ def _margin(target, prompt: torch.Tensor, ref: list[int], got: list[int], at: in
     a gap at rounding level says "near-tie under low precision", a clear gap says "bug"."""
     if at >= min(len(ref), len(got)):
         return None
+    from transformers import DynamicCache
+
+    from dflash.evaluate.speculative import _cache_kw, prefill
+
     ids = torch.cat([prompt, prompt.new_tensor(ref[:at])]).view(1, -1)
-    logits = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    out, _ = prefill(target, ids, {_cache_kw(target): DynamicCache(config=target.config), "use_cache": True})
+    logits = out.logits[0, -1].float()
     return float(logits[ref[at]] - logits[got[at]])
 
 

@@ -20,7 +20,7 @@ import torch
 from dflash.evaluate.batched_speculative import has_linear_attention, speculative_rows
 from dflash.evaluate.bench import BenchItem
 from dflash.evaluate.online import summarize_online
-from dflash.evaluate.speculative import Generation, _cache_kw, _finish, greedy_generate
+from dflash.evaluate.speculative import Generation, _cache_kw, _finish, greedy_generate, prefill
 
 # decode(prompts, refs) -> one record per prompt (dflash.evaluate.online.decode_prompts); a None ref is
 # decoded target-only there, one prompt at a time, and timed
@@ -41,7 +41,7 @@ def _greedy_rows(target, prompts: list[list[int]], max_new_tokens: int, eos_ids:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=target.config)
     kw = {_cache_kw(target): cache, "use_cache": True}
-    out = target(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1, **kw)
+    out, _ = prefill(target, ids, kw, mask=mask, positions=positions)
     nxt = positions[:, -1:] + 1
     tokens: list[list[int]] = [[] for _ in prompts]
     done = [False] * n

@@ -98,6 +98,37 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(-remove)
 
 
+# Prompt tokens one target forward of the eval's prefill takes.  In fp32 on a GPU the attention of a grouped-
+# query target runs on the math kernel, whose scores are heads x queries x keys: a whole long prompt at
+# once would hold heads x prompt^2 of them (docs/DESIGN.md §6).
+PREFILL_CHUNK = 2048
+
+
+def prefill(target, ids: torch.Tensor, cache_kw: dict, *, mask: torch.Tensor | None = None,
+            positions: torch.Tensor | None = None, capture: LayerCapture | None = None,
+            chunk: int | None = None):
+    """Run prompts `ids` [rows, width] into the target's cache, `chunk` tokens a forward, each piece
+    attending to the cache of the pieces before it.  Returns the last forward's output (the logits of
+    the last position) and, with `capture`, the captured features of every prompt position.  Every
+    decode of a prompt goes through here, the target-only reference and the speculative one alike, so
+    both see the same pieces and the same arithmetic.  `mask` (left padding) and `positions` are
+    [rows, width]."""
+    chunk = chunk or PREFILL_CHUNK
+    width = ids.shape[1]
+    features = []
+    for s in range(0, width, chunk):
+        e = min(s + chunk, width)
+        kw = dict(cache_kw)
+        if mask is not None:
+            kw["attention_mask"] = mask[:, :e]
+        if positions is not None:
+            kw["position_ids"] = positions[:, s:e]
+        out = target(input_ids=ids[:, s:e], logits_to_keep=1, **kw)
+        if capture is not None:
+            features.append(capture.features())
+    return out, (torch.cat(features, dim=1) if capture is not None else None)
+
+
 def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
     """Cut `tokens` after the first eos or at max_new_tokens; say whether generation is over."""
     for i, t in enumerate(tokens[:max_new_tokens]):
@@ -116,7 +147,7 @@ def greedy_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, eos_i
     t0 = time.perf_counter()
     cache = DynamicCache(config=target.config)
     kw = _cache_kw(target)
-    out = target(input_ids=prompt_ids.view(1, -1), **{kw: cache}, use_cache=True, logits_to_keep=1)
+    out, _ = prefill(target, prompt_ids.view(1, -1), {kw: cache, "use_cache": True})
     tokens: list[int] = []
     while True:
         tok = out.logits[0, -1].argmax()
@@ -170,9 +201,8 @@ def speculative_generate(
     with LayerCapture(target, cfg.target_layer_ids) as capture:
         target_cache = TargetCache(target)  # crop, or snapshot + re-run for linear attention (target_cache.py)
         kw = _cache_kw(target)
-        out = target(input_ids=prompt_ids, **{kw: target_cache.cache}, use_cache=True, logits_to_keep=1)
-        anchor = out.logits[0, -1].argmax()
-        context = capture.features()  # features of positions [drafted, start) not yet in the draft cache
+        out, context = prefill(target, prompt_ids, {kw: target_cache.cache, "use_cache": True}, capture=capture)
+        anchor = out.logits[0, -1].argmax()  # `context`: features of positions [drafted, start) not yet drafted from
         draft_cache = drafter.new_cache()
         tokens, done = _finish([int(anchor)], max_new_tokens, eos_ids)
         acceptance: list[int] = []
@@ -216,4 +246,4 @@ def speculative_generate(
     return Generation(tokens=tokens, seconds=time.perf_counter() - t0, acceptance=acceptance, verified=verified)
 
 
-__all__ = ["Generation", "LayerCapture", "greedy_generate", "speculative_generate"]
+__all__ = ["Generation", "LayerCapture", "greedy_generate", "prefill", "speculative_generate"]

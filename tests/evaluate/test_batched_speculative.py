@@ -78,3 +78,38 @@ def test_untrained_drafter_rows_are_lossless(setup):
     rows = speculative_rows(target, drafter, prompts, 30, set())
     assert [g.tokens for g in rows] == refs
     assert all(sum(g.acceptance) == len(g.tokens) - 1 for g in rows)  # the prefill's token, then the steps'
+
+
+def test_prefill_in_pieces_gives_the_features_and_tokens_of_a_whole_prompt(setup, monkeypatch):
+    """Left-padded rows prefilled a few tokens a forward: the same context features and next tokens as one
+    forward over the whole width, and batched decodes that still give every row's reference."""
+    from transformers import DynamicCache
+
+    import dflash.evaluate.speculative as S
+    from dflash.evaluate.batched_speculative import speculative_rows
+    from dflash.evaluate.prompt_sets import reference_decode
+
+    target, drafter, prompts, refs = setup
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(chunk):
+        with torch.inference_mode(), S.LayerCapture(target, drafter.config.target_layer_ids) as cap:
+            kw = {S._cache_kw(target): DynamicCache(config=target.config), "use_cache": True}
+            out, feats = S.prefill(target, ids, kw, mask=mask, positions=positions, capture=cap, chunk=chunk)
+            return out.logits[:, -1], feats
+
+    whole_logits, whole_feats = run(width)
+    logits, feats = run(3)
+    real = mask.bool()  # padded positions attend to nothing and hold no feature anyone reads
+    assert feats.shape == whole_feats.shape == (n, width, whole_feats.shape[-1])
+    torch.testing.assert_close(feats[real], whole_feats[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, whole_logits, rtol=1e-4, atol=1e-5)
+    monkeypatch.setattr(S, "PREFILL_CHUNK", 3)
+    assert [g.tokens for g in speculative_rows(target, drafter, prompts, 30, set())] == refs
+    assert [g.tokens for g in reference_decode(target, prompts, max_new_tokens=30, eos_ids=set(),
+                                               batch_size=8)] == refs

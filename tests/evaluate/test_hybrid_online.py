@@ -139,3 +139,27 @@ def test_a_cache_that_cannot_be_rolled_back_is_refused(setup, monkeypatch):
     with pytest.raises(TargetError, match=r"cannot roll back.*OddLayer|OddLayer.*cannot roll back") as e:
         speculative_generate(target, make_drafter(target, tok), torch.tensor(prompts[0]), 8, set())
     assert "\n" not in str(e.value)
+
+
+def test_a_prompt_prefilled_in_pieces_decodes_the_same(setup, monkeypatch):
+    """The eval's prefill runs a long prompt a few tokens a forward (memory: fp32 attention scores grow
+    with the square of a whole prompt); each family's cache then continues from the pieces, target-only and
+    speculative alike, and gives the tokens of a prompt run whole."""
+    import dflash.evaluate.speculative as S
+
+    _, target, tok, prompts = setup
+    ids = torch.tensor(prompts[0])
+    whole = S.greedy_generate(target, ids, N, eos_ids=set()).tokens
+    widths: list[int] = []
+    hook = target.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape[1]),
+                                            with_kwargs=True)
+    monkeypatch.setattr(S, "PREFILL_CHUNK", 5)
+    try:
+        pieces = S.greedy_generate(target, ids, N, eos_ids=set()).tokens
+        first = widths[: -(N - 1)]  # the prefill's forwards, before the N - 1 of one token each
+        got = S.speculative_generate(target, make_drafter(target, tok), ids, N, set())
+    finally:
+        hook.remove()
+    assert first == [5] * (len(ids) // 5) + ([len(ids) % 5] if len(ids) % 5 else [])
+    assert pieces == whole
+    assert got.tokens == whole

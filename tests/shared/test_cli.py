@@ -60,3 +60,48 @@ def test_gpu_requests_without_cuda_say_how_to_run_on_cpu(tmp_path, tiny_target):
     res = CliRunner().invoke(main, ["train", "--store", str(store), "--target", str(tiny_target),
                                     "--out", str(tmp_path / "run"), "--gpus", "5,6,7"])
     assert res.exit_code != 0 and "--gpus cpu:N" in res.output and "Traceback" not in res.output
+
+
+OOM = ("CUDA out of memory. Tried to allocate 9.02 GiB. GPU 0 has a total capacity of 79.18 GiB of which 788.19 "
+       "MiB is free. Including non-PyTorch memory, this process has 78.40 GiB memory in use. Of the allocated "
+       "memory 77.70 GiB is allocated by PyTorch, and 39.64 MiB is reserved by PyTorch but unallocated.")
+
+
+@pytest.mark.parametrize("command,entry,less", [
+    ("eval", "dflash.evaluate.run.run_eval", "--batch-size"),
+    ("generate", "dflash.generate.run.run_generate", "--batch-tokens"),
+    ("precompute", "dflash.precompute.run.run_precompute", "--token-budget"),
+])
+def test_a_gpu_out_of_memory_is_one_paragraph_naming_what_to_lower(tmp_path, monkeypatch, command, entry, less):
+    """torch's OutOfMemoryError, raised where the command's work runs, ends it with one paragraph: what
+    was asked and what the card had, and the flag that holds less at once; --debug keeps the traceback."""
+    module, name = entry.rsplit(".", 1)
+
+    def out_of_memory(_cfg):
+        raise torch.OutOfMemoryError(OOM)
+
+    monkeypatch.setattr(f"{module}.{name}", out_of_memory)
+    monkeypatch.chdir(tmp_path)
+    args = {"eval": ["--prompts", "p.jsonl", "--target", "t"], "generate": ["--target", "t", "--data", "d.jsonl"],
+            "precompute": ["--target", "t", "--data", "d.jsonl", "--out", "s"]}[command]
+    res = CliRunner().invoke(main, [command, *args])
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.output
+    assert lines[0].startswith(f"error: {command}: the GPU ran out of memory (CUDA out of memory. Tried to "
+                               "allocate 9.02 GiB. GPU 0 has a total capacity of 79.18 GiB of which 788.19 MiB is "
+                               "free). Rerun the same command with less at once (")
+    assert less in lines[0] and "Including" not in lines[0]
+    debug = CliRunner().invoke(main, ["--debug", command, *args])
+    assert isinstance(debug.exception, torch.OutOfMemoryError)
+
+
+def test_other_failures_keep_their_traceback(tmp_path, monkeypatch):
+    """Only a GPU out of memory is turned into a message: anything else is a bug and keeps its traceback."""
+    def broken(_cfg):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("dflash.evaluate.run.run_eval", broken)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["eval", "--prompts", "p.jsonl", "--target", "t"])
+    assert isinstance(res.exception, RuntimeError) and "a bug" in str(res.exception)
