@@ -7,7 +7,7 @@ import subprocess
 from collections import Counter
 
 # One intra-op thread for every process the tests start (before torch is imported here or in a child):
-# pytest-xdist already runs a worker per core, and each worker's trainers, shard and loader processes
+# pytest-xdist already runs a worker per core (and one more), and each worker's trainers, shard and loader processes
 # taking every core made OpenMP's threads spin against each other (the suite ran slower for more CPU).
 # dflash's stages honour an explicit OMP_NUM_THREADS.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -17,9 +17,21 @@ import pytest  # noqa: E402
 from helpers import build_store, make_conversations_jsonl, make_tiny_target  # noqa: E402
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one pytest-xdist worker more than pytest-xdist's own count (one per
+    core), unless PYTEST_XDIST_AUTO_NUM_WORKERS sets it.  Much of a worker's time goes to waiting on the
+    subprocesses it starts (their interpreter start-up, a kill point, a rendezvous), with every process on
+    one intra-op thread: on a 2-core machine 3 workers ran the suite in 521 s and 544 s, 2 in 565 s and 588 s."""
+    n = yield
+    return n if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else n + 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Files with the most slow tests first (stable otherwise): with --dist loadfile a worker takes a file
-    at a time, and a long file handed out last leaves the other cores idle at the end of the run."""
+    at a time, and a long file handed out last leaves the other cores idle at the end of the run.  pyproject's
+    addopts pass --no-loadscope-reorder, or pytest-xdist would hand out the files with the most tests first
+    instead, whatever their length."""
     def file_of(item):
         return item.nodeid.split("::")[0]
 
