@@ -25,7 +25,7 @@ from dflash.config import (
     options_of,
     show_default,
 )
-from dflash.errors import DFlashError
+from dflash.errors import DFlashError, out_of_memory, out_of_memory_message
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -52,34 +52,11 @@ def user_errors(fn):
         except KeyboardInterrupt:
             _fail("interrupted; rerun the same command to continue where it stopped.", code=130)
         except Exception as e:
-            if debug or not _out_of_memory(e):
+            if debug or not out_of_memory(e):
                 raise
-            _fail(_out_of_memory_message(ctx.info_name, e))
+            _fail(out_of_memory_message(ctx.info_name, e) + " --debug shows where it ran out.")
 
     return wrapper
-
-
-# What each command can hold less of at once, for a GPU that ran out of memory.
-LESS_AT_ONCE = {
-    "generate": "--batch-size or --batch-tokens",
-    "precompute": "--token-budget",
-    "train": "--rows-per-batch (--grad-accum keeps the tokens an optimizer step) or --token-budget",
-    "eval": "--batch-size",
-}
-
-
-def _out_of_memory(e: BaseException) -> bool:
-    # by name: this module does not import torch (`dflash --help` stays instant)
-    return type(e).__name__ == "OutOfMemoryError" and type(e).__module__.split(".")[0] == "torch"
-
-
-def _out_of_memory_message(command: str | None, e: BaseException) -> str:
-    said = " ".join(str(e).split())
-    said = ". ".join(said.split(". ")[:3]).rstrip(".")  # what was asked and what the card had
-    less = LESS_AT_ONCE.get(command or "", "the rows or tokens it handles at once")
-    return (f"{command}: the GPU ran out of memory ({said}). Rerun the same command with less at once "
-            f"({less}), or free the GPU of other processes; --debug shows where "
-            "it ran out.")
 
 
 def _config_path(config: str | None):

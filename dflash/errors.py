@@ -64,3 +64,26 @@ class GenerateError(DFlashError):
 
 class LockedError(DFlashError):
     """A store or run directory that another live command is writing (dflash/locks.py)."""
+
+
+# What each command can hold less of at once, for a GPU that ran out of memory.
+LESS_AT_ONCE = {
+    "generate": "--batch-size or --batch-tokens",
+    "precompute": "--token-budget",
+    "train": "--rows-per-batch (--grad-accum keeps the tokens an optimizer step) or --token-budget",
+    "eval": "--batch-size",
+}
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """torch's OutOfMemoryError, told by name: the command line does not import torch (`--help` stays instant)."""
+    return type(e).__name__ == "OutOfMemoryError" and type(e).__module__.split(".")[0] == "torch"
+
+
+def out_of_memory_message(command: str | None, e: BaseException) -> str:
+    """One paragraph for a GPU out of memory in `command`: what was asked and what the card had, and what to lower."""
+    said = " ".join(str(e).split())
+    said = ". ".join(said.split(". ")[:3]).rstrip(".")  # what was asked and what the card had
+    less = LESS_AT_ONCE.get(command or "", "the rows or tokens it handles at once")
+    return (f"{command}: the GPU ran out of memory ({said}). Rerun the same command with less at once "
+            f"({less}), or free the GPU of other processes.")

@@ -29,7 +29,7 @@ from dflash.chat import dataset_fingerprint, read_rows
 from dflash.config import PrecomputeConfig, to_dict
 from dflash.cpu_threads import cpu_threads
 from dflash.durable import remove_leftovers
-from dflash.errors import ConfigError, DFlashError, StoreError, TargetError
+from dflash.errors import ConfigError, DFlashError, StoreError, TargetError, out_of_memory, out_of_memory_message
 from dflash.locks import dir_lock
 from dflash.paths import portable
 from dflash.precompute import space
@@ -183,8 +183,11 @@ def _shard_entry(job: ShardJob, queue) -> None:
     except DFlashError as e:
         queue.put(("user", job.shard, str(e)))
         sys.exit(1)
-    except BaseException:
-        queue.put(("bug", job.shard, traceback.format_exc()))
+    except BaseException as e:
+        if out_of_memory(e):
+            queue.put(("user", job.shard, out_of_memory_message("precompute", e)))
+        else:
+            queue.put(("bug", job.shard, traceback.format_exc()))
         sys.exit(1)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash.config import TrainConfig
-from dflash.errors import ConfigError, DFlashError
+from dflash.errors import ConfigError, DFlashError, out_of_memory, out_of_memory_message
 
 if TYPE_CHECKING:
     from dflash.train.resolved import ResolvedRun
@@ -95,8 +95,10 @@ def _worker(run: ResolvedRun, kind: str, ids: tuple[int, ...], error_dir: str, l
     local_rank = int(os.environ["LOCAL_RANK"])
     try:
         run_training(run, device=_device_for(kind, ids, local_rank))
-    except DFlashError as e:
-        Path(error_dir, f"rank{os.environ.get('RANK', local_rank)}.txt").write_text(str(e))
+    except Exception as e:
+        if isinstance(e, DFlashError) or out_of_memory(e):  # the launcher says these in one paragraph
+            message = str(e) if isinstance(e, DFlashError) else out_of_memory_message("train", e)
+            Path(error_dir, f"rank{os.environ.get('RANK', local_rank)}.txt").write_text(message)
         raise
 
 

@@ -105,3 +105,42 @@ def test_other_failures_keep_their_traceback(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(main, ["eval", "--prompts", "p.jsonl", "--target", "t"])
     assert isinstance(res.exception, RuntimeError) and "a bug" in str(res.exception)
+
+
+def test_a_shard_or_trainer_process_out_of_memory_reaches_the_launcher_as_one_paragraph(tmp_path, monkeypatch):
+    """Out of memory in a spawned precompute shard or a training process is reported to its launcher as a
+    user error (the one paragraph), not as a bug with the child's traceback."""
+    import os
+
+    from dflash.config import PrecomputeConfig
+    from dflash.errors import DFlashError
+    from dflash.precompute import run as precompute_run
+    from dflash.precompute.shard import ShardJob
+    from dflash.spawned import raise_failure
+    from dflash.train import launch
+
+    def out_of_memory(*_a, **_k):
+        raise torch.OutOfMemoryError(OOM)
+
+    sent = []
+
+    class Queue:
+        def put(self, item):
+            sent.append(item)
+
+    monkeypatch.setattr(precompute_run, "run_shard", out_of_memory)
+    with pytest.raises(SystemExit):
+        precompute_run._shard_entry(ShardJob(PrecomputeConfig(), 3, 4, "cpu", [1]), Queue())
+    (kind, shard, message), = sent
+    assert (kind, shard) == ("user", 3) and message.startswith("precompute: the GPU ran out of memory (CUDA out")
+    with pytest.raises(DFlashError, match=r"^shard 3 failed: precompute: the GPU ran out of memory .*--token-budget"):
+        raise_failure(sent[0], "shard 3", "")
+
+    monkeypatch.setattr("dflash.train.trainer.run_training", out_of_memory)
+    monkeypatch.setattr("dflash.spawned.die_with_parent", lambda _pid=None: None)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(torch.OutOfMemoryError):  # the process still fails; the launcher reads its file
+        launch._worker(None, "cpu", (0,), str(tmp_path), os.getpid())
+    said = (tmp_path / "rank1.txt").read_text()
+    assert said.startswith("train: the GPU ran out of memory (CUDA out of memory.") and "--rows-per-batch" in said
