@@ -54,7 +54,11 @@ QWEN36_27B = dict(hidden_size=5120, num_hidden_layers=64, num_attention_heads=24
 # SmolLM2-135M-Instruct (examples/smollm2): the real target of docs/RECIPE.md; a drafter of its width.
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                     head_dim=64, intermediate_size=1536, vocab_size=49152, target_layer_ids=[1, 14, 27])
-SHAPES = {"smollm2-135m": SMOLLM2_135M, "qwen3-8b": QWEN3_8B, "qwen3-32b": QWEN3_32B, "qwen3.6-27b": QWEN36_27B}
+# Qwen2.5-Coder-0.5B-Instruct (examples/qwen2.5-coder-0.5b): the second real target; target layers as its params.
+QWEN25_CODER_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        head_dim=64, intermediate_size=4864, vocab_size=151936, target_layer_ids=[1, 11, 21])
+SHAPES = {"smollm2-135m": SMOLLM2_135M, "qwen2.5-coder-0.5b": QWEN25_CODER_05B, "qwen3-8b": QWEN3_8B,
+          "qwen3-32b": QWEN3_32B, "qwen3.6-27b": QWEN36_27B}
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, intermediate_size=128, vocab_size=1000, target_layer_ids=[1, 2])
 
