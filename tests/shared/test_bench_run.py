@@ -82,3 +82,36 @@ def test_chain_runs_an_examples_stages_in_order_times_each_and_stops_at_a_failed
     assert printed == ["first", "second", "broken"] and (tmp_path / "logs" / "second.log").is_file()
     until = subprocess.run([*cmd, "--until", "first"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert until.returncode == 0 and [json.loads(line)["stage"] for line in until.stdout.splitlines()] == ["first"]
+
+
+def test_overlap_times_two_commands_alone_then_together_clearing_their_outputs_before_each_run(tmp_path):
+    # a stand-in for `dflash`: refuses an --out that exists (as generate and precompute refuse a finished
+    # one), sleeps, writes its --out; exit 5 when asked to fail
+    fake = tmp_path / "fake.py"
+    fake.write_text(
+        "import sys, time, pathlib\n"
+        "a = sys.argv[1:]; out = pathlib.Path(a[a.index('--out') + 1])\n"
+        "if out.exists(): sys.exit(4)\n"
+        "time.sleep(float(a[a.index('--sleep') + 1])); out.write_text(a[0])\n"
+        "sys.exit(5 if '--fail' in a else 0)\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    base = [sys.executable, str(ROOT / "bench" / "overlap.py"), "--dflash", f"{sys.executable} {fake}", "--logs", "logs"]
+    cmd = base + ["--generate", f"--out {tmp_path / 'g.jsonl'} --sleep 1", "--precompute", f"--out {tmp_path / 'st'} --sleep 1"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**os.environ, "OUT": str(out)})
+    assert done.returncode == 0, done.stderr
+    rec = json.loads((out / "overlap.json").read_text())
+    assert rec["generate_warmup"]["returncode"] == 0 and rec["precompute_warmup"]["returncode"] == 0
+    assert rec["generate_alone"]["seconds"] >= 1 and rec["precompute_alone"]["seconds"] >= 1
+    together = rec["together"]
+    assert together["generate"]["returncode"] == together["precompute"]["returncode"] == 0
+    assert 1 <= together["both"]["seconds"] < rec["generate_alone"]["seconds"] + rec["precompute_alone"]["seconds"]
+    assert rec["together_over_sequence"] == pytest.approx(
+        together["both"]["seconds"] / (rec["generate_alone"]["seconds"] + rec["precompute_alone"]["seconds"]), abs=1e-3)
+    assert (tmp_path / "st").read_text() == "precompute" and (tmp_path / "logs" / "generate_together.log").is_file()
+    failing = base + ["--no-warmup", "--generate", f"--out {tmp_path / 'g2'} --sleep 0 --fail",
+                      "--precompute", f"--out {tmp_path / 'st2'} --sleep 0"]
+    done = subprocess.run(failing, cwd=tmp_path, capture_output=True, text=True, timeout=60, env={**os.environ, "OUT": str(out)})
+    rec = json.loads((out / "overlap.json").read_text())
+    assert done.returncode == 1 and rec["generate_alone"]["returncode"] == 5 and "generate_warmup" not in rec
+    assert rec["precompute_alone"]["returncode"] == 0
