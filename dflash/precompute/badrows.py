@@ -16,6 +16,8 @@ writes rewrites the same file.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -29,46 +31,107 @@ from dflash.jsonl import jsonl_lines
 REPORT = "skipped_rows.jsonl"
 CHECK_RENDER_ROWS = 16  # rows fully rendered up front, so a template that cannot be traced fails early
 PREPASS_BAR_ROWS = 5000  # the row pre-pass shows a progress bar from this many rows
+PARALLEL_ROWS = 8192  # from this many rows the pre-pass checks them in worker processes (prepass_workers)
+PIECE_ROWS = 256  # rows a worker checks at a time: pieces small enough that the workers end together
 
 
-def _check_row(cfg: PrecomputeConfig, row, i: int, tokenizer, held, seen: dict) -> bytes:
-    """One row's checks (RowError when it is bad); returns its content key."""
-    msgs = conversation_of(row, i, cfg.data)
+def _check_one(row, i: int, data: str, tokenizer, held) -> tuple[bytes, str]:
+    """One row's content key and what it holds: "held" (an --append store has it), "reply" (an assistant
+    reply to supervise) or "prompt" (none); RowError when it is bad.  Every row not held renders through
+    the chat template (`chat.check_renders`): a shard renders it too, and a refusal must come now."""
+    msgs = conversation_of(row, i, data)
     key = conversation_key(msgs)
     if key in held:
-        seen["assistant"] += 1
-        return key
-    where = f"dataset {cfg.data}, row {i}"
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-        check_renders(tokenizer, msgs, where)  # a shard renders it too: a refusal must come now
-        return key
-    seen["assistant"] += 1
-    if seen["rendered"] < CHECK_RENDER_ROWS or not seen["supervised"]:
-        r = render(tokenizer, msgs, cfg.max_length, where=where)
-        seen["supervised"] = seen["supervised"] or any(r.loss_mask)
-        seen["rendered"] += 1
-    else:
-        check_renders(tokenizer, msgs, where)
-    return key
+        return key, "held"
+    check_renders(tokenizer, msgs, f"dataset {data}, row {i}")
+    return key, "reply" if any(m["role"] == "assistant" and m["content"].strip() for m in msgs) else "prompt"
+
+
+def _outcomes(rows: list[tuple[int, dict]], data: str, tokenizer, held) -> list[tuple]:
+    """(i, key, what, None) or (i, None, None, (message, kind)) for each (i, row)."""
+    out = []
+    for i, row in rows:
+        try:
+            out.append((i, *_check_one(row, i, data, tokenizer, held), None))
+        except RowError as e:
+            out.append((i, None, None, (str(e), e.kind)))
+    return out
+
+
+_worker: dict = {}
+
+
+def _init(parent_pid: int, target: str, trust_remote_code: bool, data: str, held) -> None:
+    from dflash.spawned import die_with_parent
+    from dflash.target_model.capture import load_tokenizer
+
+    die_with_parent(parent_pid)
+    _worker.update(tokenizer=load_tokenizer(target, trust_remote_code), held=held, data=data)
+
+
+def _check_piece(rows: list[tuple[int, dict]]) -> list[tuple]:
+    return _outcomes(rows, _worker["data"], _worker["tokenizer"], _worker["held"])
+
+
+def prepass_workers(num_rows: int) -> int:
+    """Worker processes for the pre-pass: none below PARALLEL_ROWS rows or on a host of two cores or fewer
+    (starting them costs more than they save), else the host's cores less one for this process, at most 8.
+    The pre-pass runs before any shard starts, so the cores are free on a GPU host and a CPU one alike."""
+    cores = os.cpu_count() or 1
+    return 0 if num_rows < PARALLEL_ROWS or cores <= 2 else min(8, cores - 1)
+
+
+def _all_outcomes(cfg: PrecomputeConfig, ds, tokenizer, held, workers: int) -> Iterator[tuple]:
+    """Every row's outcome in row order: in this process, or from `workers` spawned processes (never
+    forked: the caller may hold a CUDA context) that each check a piece of the rows at a time."""
+    if workers <= 0:
+        for i, row in enumerate(ds):
+            yield from _outcomes([(i, row)], cfg.data, tokenizer, held)
+        return
+    import multiprocessing as mp
+
+    def pieces() -> Iterator[list[tuple[int, dict]]]:  # the rows travel with their piece (rows read here)
+        piece = []
+        for i, row in enumerate(ds):
+            piece.append((i, row))
+            if len(piece) == PIECE_ROWS:
+                yield piece
+                piece = []
+        if piece:
+            yield piece
+
+    initargs = (os.getpid(), cfg.target, cfg.trust_remote_code, cfg.data, held)
+    with mp.get_context("spawn").Pool(workers, initializer=_init, initargs=initargs) as pool:
+        for piece in pool.imap(_check_piece, pieces()):
+            yield from piece
 
 
 def check_rows(cfg: PrecomputeConfig, ds, tokenizer, held: set[bytes] = frozenset(),
-               broken: dict[int, RowError] | None = None) -> tuple[list, list[dict]]:
+               broken: dict[int, RowError] | None = None, workers: int | None = None) -> tuple[list, list[dict]]:
     """Before the store exists: every row has a known format and renders through the chat template with
     its assistant replies found (a pre-pass, `chat.check_renders`; rows an --append store already holds
     are skipped), the first rows render in full, and some row has something to supervise.  Returns each
     row's content key (what an append matches conversations on; None for a row --skip-bad-rows leaves
     out) and the rows left out, each with its reason.  `broken`: the rows whose line is not one JSON
-    object (dflash.chat.read_rows), bad rows whatever they hold."""
+    object (dflash.chat.read_rows), bad rows whatever they hold.  `workers`: processes that check the
+    rows (default `prepass_workers`); the outcome is the same with any number, none included."""
     broken = broken or {}
+    workers = prepass_workers(len(ds)) if workers is None else workers
     seen = {"assistant": 0, "rendered": 0, "supervised": False}
     keys, bad = [], []
     bar = tqdm(total=len(ds), desc="checking rows", unit="row", leave=False, disable=len(ds) < PREPASS_BAR_ROWS)
-    for i, row in enumerate(ds):
+    for i, key, what, error in _all_outcomes(cfg, ds, tokenizer, held, workers):
         try:
             if i in broken:
                 raise broken[i]
-            keys.append(_check_row(cfg, row, i, tokenizer, held, seen))
+            if error is not None:
+                raise RowError(*error)
+            seen["assistant"] += what != "prompt"
+            if what == "reply" and (seen["rendered"] < CHECK_RENDER_ROWS or not seen["supervised"]):
+                r = render(tokenizer, conversation_of(ds[i], i, cfg.data), cfg.max_length, where=f"dataset {cfg.data}, row {i}")
+                seen["supervised"] = seen["supervised"] or any(r.loss_mask)
+                seen["rendered"] += 1
+            keys.append(key)
         except RowError as e:
             if not cfg.skip_bad_rows:
                 raise RowError(f"{e} Or pass --skip-bad-rows to capture the other rows and list this one in "
@@ -113,4 +176,4 @@ def kinds(records: list[dict]) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-__all__ = ["REPORT", "check_rows", "kinds", "row_locator", "write_report"]
+__all__ = ["REPORT", "check_rows", "prepass_workers", "kinds", "row_locator", "write_report"]

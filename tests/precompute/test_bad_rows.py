@@ -117,3 +117,36 @@ def test_bad_rows_are_left_out_listed_and_a_rerun_and_an_append_keep_the_store(t
     assert [r["kind"] for r in report[6:]] == [KINDS[n] for n in [*sorted(BAD), NOT_AN_OBJECT]] + ["no turns"]
     s = open_store(store)
     assert len(s) == 11 and s.manifest["parts"][1]["bad_rows"] == 6 and verify_store(store).ok
+
+
+def test_the_pre_pass_in_worker_processes_gives_what_it_gives_in_this_one(tmp_path, picky):
+    """check_rows with 2 spawned workers (pieces of PIECE_ROWS rows travelling to them) and inline: the same
+    keys, the same bad rows and reasons, the same held rows skipped; without --skip-bad-rows the same first
+    bad row stops both. More rows than a piece, so the order of pieces counts."""
+    from dflash.chat import conversation_key, conversation_of, read_rows
+    from dflash.config import PrecomputeConfig
+    from dflash.errors import RowError
+    from dflash.precompute import badrows
+    from dflash.target_model.capture import load_tokenizer
+
+    good = make_conversations(badrows.PIECE_ROWS + 40, seed=3)
+    late = {badrows.PIECE_ROWS + 20: BAD[9], badrows.PIECE_ROWS + 30: BAD[3]}
+    data = _data(tmp_path / "d.jsonl", good, {**BAD, NOT_AN_OBJECT: "[1, 2]", **late})
+    tok = load_tokenizer(str(picky), False)
+    ds, broken = read_rows(data, "train", None, skip_bad_lines=True)
+    held = {conversation_key(conversation_of(ds[i], i, str(data))) for i in (0, 1, badrows.PIECE_ROWS + 5)}
+    cfg = PrecomputeConfig(target=str(picky), data=str(data), out=str(tmp_path / "s"), skip_bad_rows=True)
+    inline = badrows.check_rows(cfg, ds, tok, held, broken, workers=0)
+    pooled = badrows.check_rows(cfg, ds, tok, held, broken, workers=2)
+    assert pooled == inline
+    keys, bad = inline
+    assert len(keys) == len(ds) and sum(k is None for k in keys) == len(bad) == len(BAD) + 1 + len(late)
+    assert {b["kind"] for b in bad} == {"unknown role", "no turns", "unknown format", "template refuses",
+                                        "not a JSON object"}
+    strict = PrecomputeConfig(target=str(picky), data=str(data), out=str(tmp_path / "s"), skip_bad_rows=False)
+    errors = []
+    for workers in (0, 2):
+        with pytest.raises(RowError) as e:
+            badrows.check_rows(strict, ds, tok, held, broken, workers=workers)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1] and "row 2:" in errors[0]
