@@ -15,6 +15,7 @@ writes rewrites the same file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -90,19 +91,11 @@ def _all_outcomes(cfg: PrecomputeConfig, ds, tokenizer, held, workers: int) -> I
         return
     import multiprocessing as mp
 
-    def pieces() -> Iterator[list[tuple[int, dict]]]:  # the rows travel with their piece (rows read here)
-        piece = []
-        for i, row in enumerate(ds):
-            piece.append((i, row))
-            if len(piece) == PIECE_ROWS:
-                yield piece
-                piece = []
-        if piece:
-            yield piece
-
+    numbered = enumerate(ds)
+    pieces = iter(lambda: list(itertools.islice(numbered, PIECE_ROWS)), [])  # the rows travel with their piece
     initargs = (os.getpid(), cfg.target, cfg.trust_remote_code, cfg.data, held)
     with mp.get_context("spawn").Pool(workers, initializer=_init, initargs=initargs) as pool:
-        for piece in pool.imap(_check_piece, pieces()):
+        for piece in pool.imap(_check_piece, pieces):
             yield from piece
 
 
