@@ -115,3 +115,24 @@ def test_overlap_times_two_commands_alone_then_together_clearing_their_outputs_b
     rec = json.loads((out / "overlap.json").read_text())
     assert done.returncode == 1 and rec["generate_alone"]["returncode"] == 5 and "generate_warmup" not in rec
     assert rec["precompute_alone"]["returncode"] == 0
+
+
+def test_timed_subsets_compares_the_spread_and_the_strata_pick_against_the_sets_tau(tmp_path, monkeypatch, capsys):
+    import timed_subsets
+
+    # 8 prompts in file order; tau ranked: prompt 1 (1.0) ... prompt 0 (8.0); 2 steps each but prompt 2's 6
+    taus = [8.0, 1.0, 7.0, 2.0, 6.0, 3.0, 5.0, 4.0]
+    steps = [2, 2, 6, 2, 2, 2, 2, 2]
+    per_prompt = [{"tau": t, "steps": s} for t, s in zip(taus, steps)]
+    set_tau = sum(t * s for t, s in zip(taus, steps)) / sum(steps)
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps({"online": {"tau": set_tau, "per_prompt": per_prompt},
+                                "bench": {"humaneval": {"tau": set_tau, "per_prompt": per_prompt[::-1]}}}))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert timed_subsets.main([str(path), "--counts", "2"]) == 0
+    rows = json.loads((tmp_path / "timed_subsets.json").read_text())
+    held = next(r for r in rows if r["set"] == "held-out")
+    assert held["spread_tau"] == pytest.approx((8 * 2 + 4 * 2) / 4)  # the first and last prompt of the file
+    assert held["strata_tau"] == pytest.approx((7 * 6 + 3 * 2) / 8)  # prompts 2 and 5: ranks 3 and 7 of 8
+    assert held["strata_off"] == pytest.approx(held["strata_tau"] - set_tau)
+    assert [r["set"] for r in rows] == ["held-out", "humaneval"] and "K=2: largest distance" in capsys.readouterr().out
