@@ -50,6 +50,10 @@ class GenerateConfig(Options):
                                          "depend on the rows decoded beside it. A small target wants many rows: "
                                          "raise --batch-size and --batch-tokens (docs/generate.md).")
     max_new_tokens: int = opt(2048, "Tokens per response at most; longer ones are cut and counted.")
+    max_prompt_tokens: int | None = opt(None, "In-process: leave out a row whose prompt (a turn's conversation so "
+                                        "far) is over N tokens, counted and left out of the file as a prompt "
+                                        "past the target's context is. Give the store's --max-length: precompute keeps no "
+                                        "token of a reply that starts past it, so generating one is wasted.")
     temperature: float = opt(0.0, "0 = greedy (reproducible, resumes to the same file); > 0 samples.")
     top_p: float = opt(1.0, "Nucleus sampling when --temperature > 0.")
     seed: int = opt(0, "Sampling seed (row r of a request is seeded seed + r on servers that take a seed).")

@@ -20,6 +20,7 @@ import torch
 
 from dflash.errors import ConfigError
 from dflash.generate.refill import static_width, supports_ring
+from dflash.generate.rows import OVER_MAX_PROMPT
 from dflash.target_model.capture import load_target, load_tokenizer, resolve_dtype
 
 THINK_TAGS = ("<think>", "</think>")
@@ -147,11 +148,14 @@ class LocalEngine:
         encoded = {r.key: self.encode(r.messages) for r in requests}
         out: dict[int, Response] = {}
         ok = []
+        cap = self.cfg.max_prompt_tokens
         for r in requests:
             n = len(encoded[r.key])
             if self.max_positions and n >= self.max_positions:
                 out[r.key] = Response(r.key, None, error=f"prompt of {n} tokens reaches the target's "
                                       f"max_position_embeddings ({self.max_positions})")
+            elif cap is not None and n > cap:
+                out[r.key] = Response(r.key, None, error=f"{OVER_MAX_PROMPT} ({cap} tokens)")
             else:
                 ok.append(r.key)
         if on_batch is not None and out:

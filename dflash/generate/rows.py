@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from dflash.chat import conversation_of
 from dflash.errors import DataError
 
+# a row's `failed` reason when its prompt is over --max-prompt-tokens: counted as left out, not as failed
+OVER_MAX_PROMPT = "prompt over --max-prompt-tokens"
+
 TURNS = ("all", "last", "none")
 
 

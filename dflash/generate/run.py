@@ -25,7 +25,7 @@ from dflash.chat import dataset_fingerprint, read_rows, row_locator
 from dflash.config import GenerateConfig
 from dflash.errors import ConfigError, DataError
 from dflash.generate import journal as jr
-from dflash.generate.rows import Plan, plan_row
+from dflash.generate.rows import OVER_MAX_PROMPT, Plan, plan_row
 from dflash.locks import dir_lock
 
 
@@ -46,6 +46,9 @@ def _check_config(cfg: GenerateConfig) -> None:
         (cfg.retries >= 0, "--retries must be 0 or more"),
         (cfg.max_samples is None or cfg.max_samples >= 1, "--max-samples must be at least 1"),
         (cfg.samples >= 1, "--samples must be at least 1"),
+        (cfg.max_prompt_tokens is None or cfg.max_prompt_tokens >= 1, "--max-prompt-tokens must be at least 1"),
+        (cfg.max_prompt_tokens is None or not cfg.endpoint, "--max-prompt-tokens counts the target's tokens in "
+         "process; with --endpoint leave it out and bound the prompts on the server (vLLM's --max-model-len)"),
         (cfg.samples == 1 or cfg.temperature > 0, "--samples > 1 needs --temperature > 0: greedy decoding writes "
          "the same response every time"),
         (cfg.samples == 1 or cfg.turns != "none", "--samples > 1 needs responses to generate, not --turns none"),
@@ -75,6 +78,8 @@ def inputs_of(cfg: GenerateConfig, num_rows: int) -> dict:
     if cfg.turns == "none":
         return d
     d.update({k: getattr(cfg, k) for k in ("max_new_tokens", "temperature", "top_p", "seed", "thinking")})
+    if cfg.max_prompt_tokens is not None:  # absent when unset: journals written before the option still resume
+        d["max_prompt_tokens"] = cfg.max_prompt_tokens
     if cfg.endpoint:
         from dflash.generate.endpoint import base_url
 
@@ -214,6 +219,7 @@ def sampled_copies(rows: list[dict], plans: list[Plan], samples: int) -> tuple[l
 def summarize(records: dict[int, dict], num_rows: int, generated: int, new_tokens: int, wall_s: float,
               skipped: int = 0) -> dict:
     failed = Counter(str(r["failed"]) for r in records.values() if r.get("out") is None and r.get("failed"))
+    over = sum(failed.pop(k) for k in [k for k in failed if k.startswith(OVER_MAX_PROMPT)])
     return {
         "rows": sum(1 for r in records.values() if r.get("out") is not None),
         "num_rows": num_rows,
@@ -222,6 +228,7 @@ def summarize(records: dict[int, dict], num_rows: int, generated: int, new_token
         "new_tokens": new_tokens,
         "cut": sum(int(r.get("cut") or 0) for r in records.values() if r.get("out") is not None),
         "failed": dict(sorted(failed.items())),
+        "over_max_prompt": over,
         "skipped": skipped,
         "wall_s": round(wall_s, 2),
         "tokens_per_s": round(new_tokens / wall_s, 1) if wall_s > 0 else 0.0,
@@ -236,6 +243,8 @@ def print_summary(out: Path, s: dict, report: Path | None = None) -> None:
         f"{s['cut']} responses cut at --max-new-tokens; {fails} rows failed" + (f" ({why}; left out of the file, "
         "a rerun retries them)" if fails else "") + f"; {s['generated_now']} rows generated now in "
         f"{s['wall_s']:.1f}s ({s['tokens_per_s']:.0f} tokens/s)"
+        + (f"; left out {s['over_max_prompt']} rows whose prompt is over --max-prompt-tokens"
+           if s.get("over_max_prompt") else "")
         + (f"; left out {s['skipped']} bad rows (--skip-bad-rows; listed in {report})" if s.get("skipped") else ""),
         file=sys.stdout, flush=True,
     )

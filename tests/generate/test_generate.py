@@ -365,3 +365,31 @@ def test_a_full_disk_while_writing_the_output_is_named_for_generate(tmp_path, mo
     msg = str(e.value)
     assert f"cannot write {out}" in msg and "rerun the same command" in msg and "precompute" not in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_max_prompt_tokens_leaves_out_the_longer_prompts_and_keeps_the_others_replies(tmp_path, tiny_target, capsys):
+    from dflash.chat import read_rows
+    from dflash.generate.rows import plan_row, prompt_messages
+
+    data = make_conversations_jsonl(tmp_path / "chats.jsonl", 12, min_words=2, max_words=40)
+    engine = LocalEngine(cfg(target=tiny_target, data=data, out=tmp_path / "x.jsonl"), "cpu")
+    rows = [dict(r) for r in read_rows(str(data), "train", None)[0]]
+    lengths = []
+    for i, r in enumerate(rows):
+        p = plan_row(r, i, str(data), "last")
+        lengths.append(engine.prompt_length(prompt_messages(p.messages, p.turns[0])))
+    cap = sorted(lengths)[len(lengths) // 2]
+    over = [i for i, n in enumerate(lengths) if n > cap]
+    assert 0 < len(over) < len(rows)
+
+    full, capped = tmp_path / "full.jsonl", tmp_path / "capped.jsonl"
+    run_generate(cfg(target=tiny_target, data=data, out=full, turns="last"))
+    s = run_generate(cfg(target=tiny_target, data=data, out=capped, turns="last", max_prompt_tokens=cap))
+    assert s["over_max_prompt"] == len(over) and s["failed"] == {} and s["rows"] == len(rows) - len(over)
+    assert f"left out {len(over)} rows whose prompt is over --max-prompt-tokens" in capsys.readouterr().out
+    kept = [line for i, line in enumerate(full.read_text().splitlines()) if i not in over]
+    assert capped.read_text().splitlines() == kept  # the same replies, the longer prompts' rows left out
+    with pytest.raises(ConfigError, match="changed: max_prompt_tokens"):
+        run_generate(cfg(target=tiny_target, data=data, out=capped, turns="last", max_prompt_tokens=cap + 1))
+    with pytest.raises(ConfigError, match="--max-prompt-tokens counts the target's tokens in process"):
+        run_generate(cfg(endpoint="http://127.0.0.1:9", data=data, out=tmp_path / "e.jsonl", max_prompt_tokens=cap))
