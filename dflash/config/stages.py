@@ -154,7 +154,8 @@ class EvalConfig(Options):
     reference: str | None = opt(None, "Online: a JSON file of the target-only greedy outputs, reused when it was "
                                 "made from the same target, prompt tokens, --max-new-tokens, dtype and device "
                                 "kind (written when absent or stale): evaluating many checkpoints then decodes "
-                                "the target alone once.")
+                                "the target alone once. The --bench sets' outputs go to FILE's sibling "
+                                "STEM.bench.json, keyed by their questions.")
     batch_size: int = opt(1, "Online: prompts decoded at once by the target alone, for the target-only outputs "
                           "speculative decoding must reproduce; 1 decodes and times each prompt alone, more "
                           "times only --timed-prompts of each prompt set alone (the speed-up's baseline).")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dflash.errors import DFlashError
 from dflash.evaluate.batched_speculative import has_linear_attention, speculative_rows
 from dflash.evaluate.bench import BenchItem
 from dflash.evaluate.online import summarize_online
@@ -190,10 +191,13 @@ def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def bench_prompts(target, tokenizer, sets: dict[str, list[BenchItem]], *, max_new_tokens: int, eos_ids: set[int],
-                  batch_size: int, budget: int | None, progress=None) -> tuple[list[list[int]], list[Generation], list[dict]]:
+                  batch_size: int, budget: int | None, progress=None,
+                  stored: list[Generation] | None = None) -> tuple[list[list[int]], list[Generation], list[dict]]:
     """Every turn of every question as a prompt, with its target-only reference and what it is: turn t+1's
     prompt holds turn t's question and the target's greedy answer to it (decoded text, as the field's
-    multi-turn benchmarks replay it).  A prompt longer than `budget` is left out with its later turns."""
+    multi-turn benchmarks replay it).  A prompt longer than `budget` is left out with its later turns.
+    `stored`: the references of an earlier eval of the same target and questions (dflash.evaluate.reference),
+    in the order this decodes them, taken instead of decoding."""
     convs = [(name, item, []) for name, items in sets.items() for item in items]
     prompts, refs, meta = [], [], []
     for turn in range(max((len(item.turns) for _, item, _ in convs), default=0)):
@@ -210,8 +214,16 @@ def bench_prompts(target, tokenizer, sets: dict[str, list[BenchItem]], *, max_ne
                 continue
             live.append(k)
             ids.append(p)
-        gens = reference_decode(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids, batch_size=batch_size,
-                                progress=progress)
+        if stored is not None:
+            gens = stored[len(refs):len(refs) + len(ids)]
+            if len(gens) != len(ids):
+                raise DFlashError("the --bench reference file holds fewer target-only outputs than its questions' "
+                                  "turns; delete it (the next eval rewrites it).")
+            if progress is not None:
+                progress(len(ids))
+        else:
+            gens = reference_decode(target, ids, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                    batch_size=batch_size, progress=progress)
         for k, p, g in zip(live, ids, gens):
             name, item, msgs = convs[k]
             msgs.append({"role": "assistant",
@@ -263,13 +275,20 @@ def summarize_sets(records: list[dict], meta: list[dict], block_size: int, disag
 
 def run_benches(target, tokenizer, sets: dict[str, list[BenchItem]], decode: Decode, *, block_size: int,
                 max_new_tokens: int, eos_ids: set[int], batch_size: int, budget: int | None,
-                progress=None) -> dict:
-    """Every prompt set decoded speculatively against its target-only reference, summed up per set."""
+                progress=None, reference=None) -> dict:
+    """Every prompt set decoded speculatively against its target-only reference, summed up per set.
+    `reference` (a ReferenceFile keyed by the questions) keeps the target-only outputs across evals."""
+    stored = reference.load() if reference is not None else None
     prompts, refs, meta = bench_prompts(target, tokenizer, sets, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                        batch_size=batch_size, budget=budget, progress=progress)
+                                        batch_size=batch_size, budget=budget, progress=progress, stored=stored)
+    if reference is not None and stored is None:
+        reference.save(refs)
     groups = [[m["index"] for m in meta if m["set"] == name and "index" in m] for name in sets]
     records = decode(prompts, refs, groups) if prompts else []  # each set times its own prompts
-    return summarize_sets(records, meta, block_size, batch_disagreements(records, refs))
+    out = summarize_sets(records, meta, block_size, batch_disagreements(records, refs))
+    for s in out.values():
+        s["reference"] = None if reference is None else {"path": str(reference.path), "reused": stored is not None}
+    return out
 
 
 __all__ = ["bench_prompts", "decode_batched", "reference_decode", "run_benches", "spread_timed", "summarize_sets",

@@ -2,7 +2,8 @@
 checkpoints on the same prompts decodes the target alone once (`dflash eval --reference FILE`).
 
 The file is reused only when its key matches: the target's identity (config hash and weights
-fingerprint), the prompts' token ids, `max_new_tokens`, the dtype and the device kind (greedy outputs
+fingerprint), the prompts' token ids (for --bench, in a file of its own beside it, the questions),
+`max_new_tokens`, the dtype and the device kind (greedy outputs
 in fp32 on CUDA and on the CPU may part at near-ties). Anything else rewrites it. JSON only: the file
 may come from another machine.
 """
@@ -19,15 +20,25 @@ from dflash.evaluate.speculative import Generation
 VERSION = 1
 
 
+def bench_path(path) -> Path:
+    """The file beside --reference FILE that keeps the --bench prompt sets' target-only outputs."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.bench{p.suffix}")
+
+
 class ReferenceFile:
-    def __init__(self, path, identity: dict, prompts: list[list[int]], max_new_tokens: int, dtype: str,
-                 device_kind: str):
+    """`prompts`: the token ids of each prompt, one generation each; or, for the --bench sets (whose later
+    turns are asked after the target's own earlier answers), each question's set, id and turns with
+    `one_per_prompt` False: the generations are then the sets' decoded turns, in the order decoded."""
+
+    def __init__(self, path, identity: dict, prompts: list, max_new_tokens: int, dtype: str,
+                 device_kind: str, one_per_prompt: bool = True):
         self.path = Path(path)
         ids = hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
         self.key = {"version": VERSION, "config_hash": identity.get("config_hash"),
                     "weights_fingerprint": identity.get("weights_fingerprint"), "prompts_sha256": ids,
-                    "num_prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": dtype,
-                    "device": device_kind}
+                    "num_prompts": len(prompts) if one_per_prompt else None, "max_new_tokens": max_new_tokens,
+                    "dtype": dtype, "device": device_kind}
 
     def load(self) -> list[Generation] | None:
         """The stored generations, or None when the file is absent, unreadable or made from other inputs."""
@@ -38,7 +49,7 @@ class ReferenceFile:
         if not isinstance(d, dict) or d.get("key") != self.key:
             return None
         gens = d.get("generations")
-        if not isinstance(gens, list) or len(gens) != self.key["num_prompts"]:
+        if not isinstance(gens, list) or (self.key["num_prompts"] is not None and len(gens) != self.key["num_prompts"]):
             return None
         return [Generation(tokens=[int(t) for t in g["tokens"]],
                            seconds=None if g["seconds"] is None else float(g["seconds"])) for g in gens]

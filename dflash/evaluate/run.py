@@ -282,20 +282,27 @@ def _bench_sets(cfg: EvalConfig) -> dict:
     return {name: load_bench(name, cache) for name in bench_names(cfg.bench)}
 
 
-def _benches(cfg: EvalConfig, sets: dict, drafter, decode, target: _Target, tokenizer) -> dict:
+def _benches(cfg: EvalConfig, sets: dict, drafter, decode, target: _Target, tokenizer, identity) -> dict:
     """The standard prompt sets (--bench), every turn against the target-only reference, per category."""
     from tqdm import tqdm
 
     from dflash.evaluate.bench import BENCHES
     from dflash.evaluate.prompt_sets import run_benches
 
+    reference = None
+    if cfg.reference:
+        from dflash.evaluate.reference import ReferenceFile, bench_path
+
+        questions = [[name, q.id, *q.turns] for name, items in sets.items() for q in items]
+        reference = ReferenceFile(bench_path(cfg.reference), identity, questions, cfg.max_new_tokens, cfg.dtype,
+                                  target.device.type, one_per_prompt=False)
     model = target()
     turns = sum(len(q.turns) for items in sets.values() for q in items)
     with tqdm(total=turns, desc=f"target-only reference ({', '.join(sets)})", unit="prompt") as bar:
         out = run_benches(model, tokenizer, sets, decode, block_size=drafter.config.block_size,
                           max_new_tokens=cfg.max_new_tokens, eos_ids=eos_token_ids(model, tokenizer),
-                          batch_size=cfg.batch_size,
-                          budget=prompt_budget(target.dir, cfg.max_new_tokens), progress=bar.update)
+                          batch_size=cfg.batch_size, budget=prompt_budget(target.dir, cfg.max_new_tokens),
+                          progress=bar.update, reference=reference)
     for name, s in out.items():
         spec = BENCHES[name]
         s.update(package=f"{spec.package}=={spec.version}", file=spec.member, sha256=spec.sha256,
@@ -350,7 +357,7 @@ def run_eval(cfg: EvalConfig) -> dict:
             if not online["lossless"]:
                 failures.append(_lossless_failure(str(cfg.prompts), online))
         if cfg.bench:
-            result["bench"] = _benches(cfg, sets, drafter, decode, target, tokenizer)
+            result["bench"] = _benches(cfg, sets, drafter, decode, target, tokenizer, identity)
             result["lossless"] = result.get("lossless", True) and all(s["lossless"] for s in result["bench"].values())
             failures += [_lossless_failure(n, s) for n, s in result["bench"].items() if not s["lossless"]]
         lossless_failure = " ".join(failures) or None

@@ -290,3 +290,41 @@ def test_an_unknown_prompt_set_on_the_command_line_is_one_paragraph_before_any_l
                          tmp_path / "cache"], command="eval", cwd=tmp_path)
     assert rc != 0 and "--bench gsm8k" in err and "mt-bench, humaneval" in err, err
     assert not (tmp_path / "cache").exists()  # nothing fetched for a command that cannot run
+
+
+def test_a_reference_file_keeps_the_bench_sets_target_only_outputs_for_the_next_eval(tiny, tmp_path, monkeypatch):
+    """--reference with --bench: the first eval writes STEM.bench.json, the second decodes no target-only
+    reference for the sets (their timed prompts aside) and gives the same taus; another --max-new-tokens
+    is another key, decoded again."""
+    import dflash.evaluate.prompt_sets as ps
+    from dflash.config import EvalConfig
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.evaluate.run import run_eval
+    from dflash.target_model.files import target_config
+    from dflash.train.checkpoint import save_checkpoint
+
+    target_dir, _, _, _ = tiny
+    fake_cache(tmp_path / "cache", monkeypatch)
+    tc = target_config(target_dir)
+    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                    mask_token_id=tc.vocab_size - 1)
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
+                    {"train": {"target": str(target_dir)}})
+    decoded = []
+    real = ps.reference_decode
+    monkeypatch.setattr(ps, "reference_decode", lambda *a, **k: decoded.append(len(a[1])) or real(*a, **k))
+    kw = dict(run=str(run), bench=["mt-bench", "humaneval"], bench_cache=str(tmp_path / "cache"), max_new_tokens=8,
+              batch_size=4, timed_prompts=1, plots=False, reference=str(tmp_path / "ref.json"),
+              out=str(tmp_path / "eval.json"))
+    first = run_eval(EvalConfig(**kw))["bench"]
+    assert sum(decoded) == 11 and (tmp_path / "ref.bench.json").is_file()  # 8 MT-Bench turns, 3 HumanEval
+    decoded.clear()
+    again = run_eval(EvalConfig(**kw))["bench"]
+    assert decoded == [] and again["mt-bench"]["reference"]["reused"] and not first["mt-bench"]["reference"]["reused"]
+    for name in first:
+        assert again[name]["tau"] == first[name]["tau"] and again[name]["lossless"] and first[name]["lossless"]
+        assert again[name]["new_tokens"] == first[name]["new_tokens"]
+    run_eval(EvalConfig(**{**kw, "max_new_tokens": 6}))
+    assert sum(decoded) == 11
