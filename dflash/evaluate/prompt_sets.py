@@ -177,7 +177,8 @@ def decode_batched(target, drafter, prompts: list[list[int]], refs: list[Generat
     for group in groups if groups is not None else [list(range(len(prompts)))]:
         taus = [float(np.mean(records[i]["got"]["acceptance"] or [0])) for i in group]
         chosen += [group[k] for k in tau_strata(taus, timed)]
-    alone = single([prompts[i] for i in chosen], [refs[i] if refs[i].seconds is not None else None for i in chosen])
+    alone = single([prompts[i] for i in chosen], [refs[i] if refs[i].seconds is not None else None
+                                                  for i in chosen]) if chosen else []
     for i, rec in zip(chosen, alone):
         if "mismatch" in rec:
             rec["mismatch"]["prompt"] = i

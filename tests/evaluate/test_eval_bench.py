@@ -113,6 +113,22 @@ def test_unknown_prompt_set_is_a_config_error():
         bench_names(["gsm8k"])
 
 
+def random_run(target_dir, tmp_path):
+    """A run directory holding one checkpoint of a random 1-layer drafter (block 4) for `target_dir`."""
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import target_config
+    from dflash.train.checkpoint import save_checkpoint
+
+    tc = target_config(target_dir)
+    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                    mask_token_id=tc.vocab_size - 1)
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
+                    {"train": {"target": str(target_dir)}})
+    return run
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from dflash.target_model.capture import load_target, load_tokenizer
@@ -168,21 +184,12 @@ def test_dflash_eval_bench_reports_tau_per_category_and_overall(tiny, tmp_path, 
     """Through run_eval and the printed table: both sets, both turns, one target load, plots and JSON."""
     from dflash.cli import eval_summary
     from dflash.config import EvalConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate import run as run_module
     from dflash.evaluate.run import run_eval
-    from dflash.target_model.files import target_config
-    from dflash.train.checkpoint import save_checkpoint
 
     target_dir, _, _, _ = tiny
     fake_cache(tmp_path / "cache", monkeypatch)
-    tc = target_config(target_dir)
-    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                    mask_token_id=tc.vocab_size - 1)
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
-                    {"train": {"target": str(target_dir)}})
+    run = random_run(target_dir, tmp_path)
     loads = []
     real_load = run_module._Target.__call__
 
@@ -224,19 +231,10 @@ def test_batched_eval_reuses_a_reference_file_and_still_times_some_prompts(tiny,
     """--batch-size with --reference: the second eval decodes no target-only output but the timed prompts'
     and gets the first one's outputs, tau and a speed-up; the file's batched outputs are untimed."""
     from dflash.config import EvalConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.run import run_eval
-    from dflash.target_model.files import target_config
-    from dflash.train.checkpoint import save_checkpoint
 
     target_dir, _, _, _ = tiny
-    tc = target_config(target_dir)
-    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                    mask_token_id=tc.vocab_size - 1)
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
-                    {"train": {"target": str(target_dir)}})
+    run = random_run(target_dir, tmp_path)
     chats = make_conversations_jsonl(tmp_path / "c.jsonl", n=6, seed=2)
     kw = dict(run=str(run), prompts=str(chats), max_new_tokens=10, batch_size=4, timed_prompts=2, plots=False,
               reference=str(tmp_path / "ref.json"), out=str(tmp_path / "eval.json"))
@@ -298,20 +296,11 @@ def test_a_reference_file_keeps_the_bench_sets_target_only_outputs_for_the_next_
     is another key, decoded again."""
     import dflash.evaluate.prompt_sets as ps
     from dflash.config import EvalConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.run import run_eval
-    from dflash.target_model.files import target_config
-    from dflash.train.checkpoint import save_checkpoint
 
     target_dir, _, _, _ = tiny
     fake_cache(tmp_path / "cache", monkeypatch)
-    tc = target_config(target_dir)
-    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                    mask_token_id=tc.vocab_size - 1)
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
-                    {"train": {"target": str(target_dir)}})
+    run = random_run(target_dir, tmp_path)
     decoded = []
     real = ps.reference_decode
     monkeypatch.setattr(ps, "reference_decode", lambda *a, **k: decoded.append(len(a[1])) or real(*a, **k))
