@@ -10,7 +10,9 @@ lists the stages (both examples list them in an order dvc would run them), or th
 `dvc repro --single-item STAGE` with `--dvc`, which also records the lock.  Without `--dvc` nothing needs dvc
 installed: a GPU machine that lacks it runs the same commands.  A stage's output goes to `--logs/STAGE.log`;
 a failed stage stops the chain.  One JSON line a stage on stdout, and `$OUT/chain.json` (all stages so far,
-rewritten after each) for bench/run.py's record.
+rewritten after each) for bench/run.py's record.  Each record also keeps the summary lines dflash's commands
+print at their end (rows and tokens/s of `generate`, samples and tokens of precompute, steps and tokens/s of
+training, the eval's tau and table): a report's rates come from the same file as its minutes.
 """
 
 from __future__ import annotations
@@ -18,12 +20,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+# the lines dflash's commands end with (dflash/generate/run.py, dflash/precompute, dflash/train, dflash/cli.py)
+SUMMARY = re.compile(r"^(generate: .* rows, |precompute: .* samples, |trained \d+ steps|online tau|offline tau|"
+                     r"target: |prompt set |mt-bench |humaneval )")
+
+
+def summary_lines(log: Path) -> list[str]:
+    """The summary lines of a stage's log, progress bars' carriage returns read as line ends."""
+    text = log.read_text(errors="replace").replace("\r", "\n")
+    return [line.rstrip() for line in text.splitlines() if SUMMARY.match(line)]
 
 
 def stage_commands(dvc_yaml: Path) -> dict[str, str]:
@@ -57,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(logs / f"{name}.log", "w") as log:
                 rc = subprocess.run(argv_, stdout=log, stderr=subprocess.STDOUT).returncode
             record = {"stage": name, "cmd": cmd, "returncode": rc, "seconds": round(time.time() - t, 1),
-                      "minutes": round((time.time() - t) / 60, 2), "since_start_min": round((time.time() - start) / 60, 2)}
+                      "minutes": round((time.time() - t) / 60, 2), "since_start_min": round((time.time() - start) / 60, 2),
+                      "summary": summary_lines(logs / f"{name}.log")}
             done.append(record)
             print(json.dumps(record), flush=True)
             out.write_text(json.dumps({"stages": done, "total_min": round((time.time() - start) / 60, 2)}, indent=1))

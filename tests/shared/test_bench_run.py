@@ -62,9 +62,12 @@ def test_study_minutes_sum_step_times_and_share_wall_time_among_arms(tmp_path):
 
 
 def test_chain_runs_an_examples_stages_in_order_times_each_and_stops_at_a_failed_one(tmp_path):
+    # a stage that ends as `dflash generate` does: a progress bar, then its summary line
+    (tmp_path / "say.py").write_text("print('gen: 50%\\rgenerate: a.jsonl: 3 of 3 rows, 9 response tokens; in 1.0s "
+                                     "(9 tokens/s)')\nprint('noise')\n")
     (tmp_path / "dvc.yaml").write_text(
         "stages:\n"
-        "  first:\n    cmd: echo one >> order.txt\n"
+        "  first:\n    cmd: echo one >> order.txt && python say.py\n"
         "  skipped:\n    cmd: echo skipped >> order.txt\n"
         "  second:\n    cmd: python -c \"open('order.txt', 'a').write('two\\\\n')\"\n"
         "  broken:\n    cmd: exit 3\n"
@@ -78,6 +81,8 @@ def test_chain_runs_an_examples_stages_in_order_times_each_and_stops_at_a_failed
     stages = json.loads((out / "chain.json").read_text())["stages"]
     assert [s["stage"] for s in stages] == ["first", "second", "broken"]
     assert [s["returncode"] for s in stages] == [0, 0, 3] and all(s["seconds"] >= 0 for s in stages)
+    assert stages[0]["summary"] == ["generate: a.jsonl: 3 of 3 rows, 9 response tokens; in 1.0s (9 tokens/s)"]
+    assert stages[1]["summary"] == []
     printed = [json.loads(line)["stage"] for line in done.stdout.splitlines()]
     assert printed == ["first", "second", "broken"] and (tmp_path / "logs" / "second.log").is_file()
     until = subprocess.run([*cmd, "--until", "first"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
