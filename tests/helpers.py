@@ -233,6 +233,24 @@ def build_store(out, target, data, **overrides) -> Path:
     run_precompute(PrecomputeConfig(**kw))
     return Path(out)
 
+def random_run(target_dir, tmp_path):
+    """A run directory holding one checkpoint of a random 1-layer drafter (block 4) for `target_dir`."""
+    import torch
+
+    from dflash.drafter import DFlashDrafter, DrafterConfig
+    from dflash.target_model.files import target_config
+    from dflash.train.checkpoint import save_checkpoint
+
+    tc = target_config(target_dir)
+    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                    mask_token_id=tc.vocab_size - 1)
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
+                    {"train": {"target": str(target_dir)}})
+    return run
+
+
 
 def differing_files(a, b) -> list[str]:
     """The files (paths relative to `a` and `b`) whose bytes differ between two directory trees, or that

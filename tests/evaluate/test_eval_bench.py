@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from helpers import make_conversations_jsonl, make_tiny_target
+from helpers import make_conversations_jsonl, make_tiny_target, random_run
 
 MT_ROWS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a short poem about the sea.", "Now make it rhyme."]},
@@ -111,22 +111,6 @@ def test_unknown_prompt_set_is_a_config_error():
     assert bench_names(["MT-Bench", "humaneval", "mt-bench"]) == ["mt-bench", "humaneval"]
     with pytest.raises(ConfigError, match="gsm8k"):
         bench_names(["gsm8k"])
-
-
-def random_run(target_dir, tmp_path):
-    """A run directory holding one checkpoint of a random 1-layer drafter (block 4) for `target_dir`."""
-    from dflash.drafter import DFlashDrafter, DrafterConfig
-    from dflash.target_model.files import target_config
-    from dflash.train.checkpoint import save_checkpoint
-
-    tc = target_config(target_dir)
-    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                    mask_token_id=tc.vocab_size - 1)
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
-                    {"train": {"target": str(target_dir)}})
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from helpers import make_tiny_target
+from helpers import make_tiny_target, random_run
 
 
 def _chats(path, lengths: list[int]) -> str:
@@ -73,19 +73,10 @@ def test_prompt_budget_is_the_context_less_the_new_tokens(target):
 def test_dflash_eval_leaves_out_a_prompt_beyond_the_context_and_counts_it(target, tmp_path):
     """Through run_eval: the 4,096-position target, one prompt of ~4,100 tokens among short ones."""
     from dflash.config import EvalConfig
-    from dflash.drafter import DFlashDrafter, DrafterConfig
     from dflash.evaluate.run import run_eval
-    from dflash.target_model.files import target_config
-    from dflash.train.checkpoint import save_checkpoint
 
     torch.set_num_threads(1)
-    tc = target_config(target)
-    cfg = DrafterConfig.from_target(tc, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                    mask_token_id=tc.vocab_size - 1)
-    torch.manual_seed(0)
-    run = tmp_path / "run"
-    save_checkpoint(run, 1, DFlashDrafter(cfg).state_dict(), cfg.to_hf_dict(), {"step": 1},
-                    {"train": {"target": str(target)}})
+    run = random_run(target, tmp_path)
     chats = _chats(tmp_path / "c.jsonl", [4, 4100, 5])
     result = run_eval(EvalConfig(run=str(run), prompts=chats, max_new_tokens=8, max_samples=2,
                                  out=str(tmp_path / "eval.json"), plots=False))
